@@ -1,0 +1,1 @@
+"""Optimisation helpers registered with fairseq (learning-rate schedulers)."""
