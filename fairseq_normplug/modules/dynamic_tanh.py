@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fairseq_normplug.modules.precision import upcast
+
 SQUASH_FUNCTIONS = {
     "tanh": torch.tanh,
     "hardtanh": F.hardtanh,
@@ -47,7 +49,7 @@ class DynamicTanh(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = dynamic_tanh_reference(
-            x.float(), self.alpha.float(), self.weight.float(), self.bias.float(), self.squash
+            upcast(x), upcast(self.alpha), upcast(self.weight), upcast(self.bias), self.squash
         )
         return out.to(x.dtype)
 

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from fairseq_normplug.modules.precision import upcast
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension."""
@@ -22,7 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_reference(x.float(), self.weight.float(), self.eps).to(x.dtype)
+        return rms_norm_reference(upcast(x), upcast(self.weight), self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

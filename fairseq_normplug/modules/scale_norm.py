@@ -4,6 +4,8 @@ import math
 import torch
 from torch import nn
 
+from fairseq_normplug.modules.precision import upcast
+
 
 def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     """``g * x / max(||x||_2, eps)`` over the last dimension, written as in the paper."""
@@ -25,7 +27,7 @@ class ScaleNorm(nn.Module):
         self.g = nn.Parameter(torch.tensor(math.sqrt(dim)), requires_grad=learnable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return scale_norm_reference(x.float(), self.g.float(), self.eps).to(x.dtype)
+        return scale_norm_reference(upcast(x), upcast(self.g), self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, learnable={self.g.requires_grad}"

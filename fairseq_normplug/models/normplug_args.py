@@ -1,0 +1,184 @@
+"""Command-line flags of ``transformer_normplug`` and their resolution into a validated
+:class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
+prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
+from dataclasses import dataclass
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.modules.norm_registry import DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
+from fairseq_normplug.modules.weight_init import WEIGHT_INITS
+
+NORM_SHORTHANDS = {"scalenorm": "scalenorm", "rmsnorm": "rmsnorm", "dyt": "dyt"}
+DEFAULTS = {
+    "prenorm": False,
+    "postnorm": False,
+    "norm_type": None,
+    "scalenorm": False,
+    "rmsnorm": False,
+    "dyt": False,
+    "norm_eps": 1e-5,
+    "scalenorm_fixed_g": False,
+    "dyt_alpha_init": None,
+    "dyt_attn_alpha_init": None,
+    "dyt_squash": None,
+    "dyt_freeze_alpha": False,
+    "fixnorm": False,
+    "weight_init": None,
+    "smallinit": False,
+    "norm_stats_interval": 0,
+}
+DYT_DEFAULT_ALPHA = 0.5
+
+
+def add_normplug_args(parser) -> None:
+    """Add the plugin's flags (defaults are filled in by the architecture presets)."""
+    group = parser.add_argument_group("fairseq-normplug (Transformers without Tears / DyT)")
+    add = group.add_argument
+    add("--prenorm", action="store_true",
+        help="PreNorm: norm before each sublayer plus a final norm after the encoder and decoder "
+             "stacks (same as --encoder-normalize-before --decoder-normalize-before)")
+    add("--postnorm", action="store_true",
+        help="PostNorm (the default): norm after each residual addition; no final norms")
+    add("--norm-type", choices=NORM_TYPES,
+        help="the norm used everywhere (sublayers and final norms); default layernorm")
+    add("--scalenorm", action="store_true", help="shorthand for --norm-type scalenorm: g*x/||x||")
+    add("--rmsnorm", action="store_true", help="shorthand for --norm-type rmsnorm")
+    add("--dyt", action="store_true", help="shorthand for --norm-type dyt: gamma*tanh(alpha*x)+beta")
+    add("--norm-eps", type=float, metavar="EPS",
+        help="ScaleNorm/RMSNorm epsilon (default 1e-5)")
+    add("--scalenorm-fixed-g", action="store_true",
+        help="freeze every ScaleNorm g at sqrt(d) except the norm feeding the output layer "
+             "(paper Table 7, 'fixed g')")
+    add("--dyt-alpha-init", type=float, metavar="A",
+        help=f"DyT alpha initial value (default {DYT_DEFAULT_ALPHA})")
+    add("--dyt-attn-alpha-init", type=float, metavar="A",
+        help="DyT alpha initial value for the norms of attention blocks (default: --dyt-alpha-init)")
+    add("--dyt-squash", choices=DYT_SQUASH_CHOICES,
+        help="DyT squashing function (default tanh; DyT paper's ablation: hardtanh, sigmoid)")
+    add("--dyt-freeze-alpha", action="store_true",
+        help="keep DyT alpha fixed at its initial value (DyT paper's 'no learnable alpha' ablation)")
+    add("--fixnorm", action="store_true",
+        help="FixNorm: l2-normalised word embeddings, U(-0.01,0.01) init, tied output layer "
+             "(needs --share-decoder-input-output-embed or --share-all-embeddings)")
+    add("--weight-init", choices=WEIGHT_INITS,
+        help="attention/FFN init: fairseq's own (default), xavier (the paper's Xavier-normal "
+             "baseline) or smallinit")
+    add("--smallinit", action="store_true",
+        help="shorthand for --weight-init smallinit: attention weights ~ N(0, sqrt(2/(5d)))")
+    add("--norm-stats-interval", type=int, metavar="N",
+        help="every N updates, log each norm's scale (ScaleNorm g, DyT alpha, mean gain) and "
+             "its input std into the training log (0 = off, the default)")
+
+
+@dataclass(frozen=True)
+class NormplugSettings:
+    prenorm: bool
+    norm: NormSpec
+    fixnorm: bool
+    weight_init: str
+    norm_stats_interval: int
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def fill_normplug_defaults(args) -> None:
+    for name, value in DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+
+
+def _resolve_norm_type(args) -> str:
+    chosen = []
+    if args.norm_type is not None:
+        if args.norm_type not in NORM_TYPES:
+            raise NormplugError(
+                f"unknown --norm-type {args.norm_type!r}; choose from {', '.join(NORM_TYPES)}")
+        chosen.append(("--norm-type " + args.norm_type, args.norm_type))
+    chosen += [(_flag(flag), norm) for flag, norm in NORM_SHORTHANDS.items() if getattr(args, flag)]
+    if len({norm for _, norm in chosen}) > 1:
+        raise NormplugError(
+            f"two norm types at once: {' and '.join(f for f, _ in chosen)}; "
+            f"choose one of {', '.join(NORM_TYPES)}")
+    return chosen[0][1] if chosen else "layernorm"
+
+
+def _resolve_residual(args) -> bool:
+    normalize_before = [flag for flag in ("encoder_normalize_before", "decoder_normalize_before")
+                        if getattr(args, flag, False)]
+    if args.prenorm and args.postnorm:
+        raise NormplugError("--prenorm contradicts --postnorm; choose one residual placement")
+    if args.postnorm and normalize_before:
+        raise NormplugError(
+            f"--postnorm contradicts {' '.join(map(_flag, normalize_before))}; "
+            f"drop one of them (PostNorm normalises after each residual addition)")
+    if args.prenorm:
+        args.encoder_normalize_before = args.decoder_normalize_before = True
+    return len(normalize_before) == 2 or args.prenorm
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise NormplugError(message)
+
+
+def resolve_normplug_args(args) -> NormplugSettings:
+    """Validate the plugin flags on ``args`` (in place: defaults, --prenorm -> fairseq's
+    normalize_before flags, shorthands -> norm_type) and return the resolved settings.
+
+    Raises :class:`NormplugError` with a one-line message naming the bad value and choices.
+    """
+    fill_normplug_defaults(args)
+    norm_type = _resolve_norm_type(args)
+    args.norm_type = norm_type
+    prenorm = _resolve_residual(args)
+
+    _require(args.norm_eps > 0, f"--norm-eps must be > 0, got {args.norm_eps}")
+    _require(not args.scalenorm_fixed_g or norm_type == "scalenorm",
+             f"--scalenorm-fixed-g needs --norm-type scalenorm, got --norm-type {norm_type}")
+    dyt_given = [n for n in ("dyt_alpha_init", "dyt_attn_alpha_init", "dyt_squash")
+                 if getattr(args, n) is not None] + (["dyt_freeze_alpha"] if args.dyt_freeze_alpha else [])
+    _require(not dyt_given or norm_type == "dyt",
+             f"{_flag(dyt_given[0]) if dyt_given else ''} needs --norm-type dyt (or --dyt), "
+             f"got --norm-type {norm_type}")
+    alpha = DYT_DEFAULT_ALPHA if args.dyt_alpha_init is None else args.dyt_alpha_init
+    for name, value in (("dyt_alpha_init", alpha), ("dyt_attn_alpha_init", args.dyt_attn_alpha_init)):
+        _require(value is None or value > 0, f"{_flag(name)} must be > 0, got {value}")
+    squash = args.dyt_squash or "tanh"
+    _require(squash in DYT_SQUASH_CHOICES,
+             f"unknown --dyt-squash {squash!r}; choose from {', '.join(DYT_SQUASH_CHOICES)}")
+
+    weight_init = args.weight_init or "fairseq"
+    _require(weight_init in WEIGHT_INITS,
+             f"unknown --weight-init {weight_init!r}; choose from {', '.join(WEIGHT_INITS)}")
+    if args.smallinit:
+        _require(args.weight_init in (None, "smallinit"),
+                 f"--smallinit contradicts --weight-init {args.weight_init}; "
+                 f"choose one of {', '.join(WEIGHT_INITS)}")
+        weight_init = "smallinit"
+    args.weight_init = weight_init
+
+    if args.fixnorm:
+        tied = getattr(args, "share_decoder_input_output_embed", False) or getattr(
+            args, "share_all_embeddings", False)
+        _require(tied, "--fixnorm needs the output layer tied to the target embeddings: pass "
+                       "--share-decoder-input-output-embed (any dictionaries) or "
+                       "--share-all-embeddings (joined dictionary)")
+        _require(not getattr(args, "adaptive_softmax_cutoff", None),
+                 "--fixnorm cannot be combined with --adaptive-softmax-cutoff "
+                 f"(got {getattr(args, 'adaptive_softmax_cutoff', None)})")
+    _require(args.norm_stats_interval >= 0,
+             f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
+
+    spec = NormSpec(
+        norm_type=norm_type,
+        eps=args.norm_eps,
+        scalenorm_fixed_g=args.scalenorm_fixed_g,
+        dyt_alpha_init=alpha,
+        dyt_attn_alpha_init=args.dyt_attn_alpha_init,
+        dyt_squash=squash,
+        dyt_freeze_alpha=args.dyt_freeze_alpha,
+    )
+    return NormplugSettings(prenorm=prenorm, norm=spec, fixnorm=args.fixnorm,
+                            weight_init=weight_init,
+                            norm_stats_interval=args.norm_stats_interval)

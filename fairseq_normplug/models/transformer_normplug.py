@@ -1,0 +1,92 @@
+"""``transformer_normplug``: fairseq's Transformer with every normalization choice of
+"Transformers without Tears" and "Transformers without Normalization" behind flags.
+
+It subclasses the stock ``transformer`` model, so every stock flag keeps working, and with
+every plugin flag off it *is* the stock model (same modules, parameter names, init and
+outputs; a stock checkpoint loads). The plugin only acts through small build hooks:
+``build_embedding`` (FixNorm rows), ``build_decoder`` (FixNorm output layer), and, after
+the stock build, norm replacement (``install_norms``) and re-initialisation.
+"""
+import torch
+import torch.nn.functional as F
+from fairseq.models import register_model
+from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_placement import install_norms, named_norms
+from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
+from fairseq_normplug.modules.norm_stats import NormStatsRecorder
+from fairseq_normplug.modules.weight_init import apply_weight_init
+
+#: the padding logit is set this far below the row's smallest logit: its probability is
+#: ~e^-30 of the least likely word, so pad is never predicted, while label smoothing
+#: (which sums log-probabilities over the whole vocabulary) stays finite
+PAD_LOGIT_MARGIN = 30.0
+
+
+def mask_padding_logit(logits: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    floor = logits.detach().amin(dim=-1, keepdim=True) - PAD_LOGIT_MARGIN
+    is_pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)
+    is_pad[padding_idx] = True
+    return torch.where(is_pad, floor, logits)
+
+
+class FixNormTransformerDecoder(TransformerDecoderBase):
+    """Decoder whose tied output layer uses the l2-normalised embedding rows (eq. 10):
+    logits are cosines scaled by the norm of the final hidden state."""
+
+    def output_layer(self, features):
+        logits = F.linear(features, self.embed_tokens.normalized_weight())
+        return mask_padding_logit(logits, self.padding_idx)
+
+
+@register_model("transformer_normplug")
+class TransformerNormplugModel(TransformerModel):
+    """Transformer with pluggable residual placement, norm type, FixNorm and init.
+
+    Flags: ``--prenorm``, ``--norm-type {layernorm,scalenorm,rmsnorm,dyt}`` (shorthands
+    ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
+    ``--weight-init``; see ``fairseq-train --arch transformer_normplug --help``.
+    """
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        add_normplug_args(parser)
+
+    @classmethod
+    def build_model(cls, args, task):
+        settings = resolve_normplug_args(args)
+        if getattr(args, "share_all_embeddings", False) and task.source_dictionary != task.target_dictionary:
+            raise NormplugError(
+                "--share-all-embeddings needs a joined dictionary (fairseq-preprocess "
+                "--joined-dictionary); with separate dictionaries pass "
+                "--share-decoder-input-output-embed instead")
+        model = super().build_model(args, task)
+        install_norms(model, settings.norm)
+        apply_weight_init(list(model.encoder.layers) + list(model.decoder.layers), settings.weight_init)
+        model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
+        return model
+
+    @classmethod
+    def build_embedding(cls, args, dictionary, embed_dim, path=None):
+        if not getattr(args, "fixnorm", False):
+            return super().build_embedding(args, dictionary, embed_dim, path)
+        if path:
+            raise NormplugError(f"--fixnorm cannot start from pretrained embeddings ({path})")
+        return FixNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        if not getattr(args, "fixnorm", False):
+            return super().build_decoder(args, tgt_dict, embed_tokens)
+        cfg = TransformerConfig.from_namespace(args)
+        return FixNormTransformerDecoder(cfg, tgt_dict, embed_tokens,
+                                         no_encoder_attn=cfg.no_cross_attention)
+
+    def set_num_updates(self, num_updates):
+        super().set_num_updates(num_updates)
+        recorder = getattr(self, "norm_stats", None)
+        if recorder is not None:
+            recorder.set_num_updates(num_updates)

@@ -1,0 +1,53 @@
+"""Cheap training-time records of every norm layer, for the papers' figures: ScaleNorm g
+("Transformers without Tears", Fig. 3-4), DyT alpha against 1/std of its input (DyT paper,
+section 6), and the mean gain of LayerNorm/RMSNorm/DyT.
+
+Forward pre-hooks read each norm's input only on sampled updates (every ``interval``
+updates, training mode only) and log into fairseq's metrics, so the values land in the
+``train_inner`` records of the training log under keys such as ``g:dec2.ffn``,
+``alpha:enc0.attn``, ``gain:enc1.ffn`` and ``in_std:dec0.cross``. With interval 0 no hook
+is installed at all.
+"""
+from typing import Dict
+
+import torch
+from fairseq.logging import metrics
+from torch import nn
+
+
+def norm_scale_stats(norm: nn.Module) -> Dict[str, float]:
+    """The scalar(s) that describe a norm's learned scale."""
+    stats = {}
+    if isinstance(getattr(norm, "g", None), torch.Tensor):
+        stats["g"] = float(norm.g)
+    if isinstance(getattr(norm, "alpha", None), torch.Tensor):
+        stats["alpha"] = float(norm.alpha)
+    if isinstance(getattr(norm, "weight", None), torch.Tensor):
+        stats["gain"] = float(norm.weight.detach().abs().mean())
+    return stats
+
+
+class NormStatsRecorder:
+    """Installs the sampling hooks on ``named_norms`` ({short name: norm module})."""
+
+    def __init__(self, named_norms: Dict[str, nn.Module], interval: int):
+        self.interval = interval
+        self.active = False
+        self.handles = []
+        if interval > 0:
+            for name, norm in named_norms.items():
+                self.handles.append(norm.register_forward_pre_hook(self._hook(name)))
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self.active = self.interval > 0 and num_updates % self.interval == 0
+
+    def _hook(self, name: str):
+        def record(module, inputs):
+            if not (self.active and module.training):
+                return
+            with torch.no_grad():
+                metrics.log_scalar(f"in_std:{name}", float(inputs[0].float().std()), round=4)
+                for stat, value in norm_scale_stats(module).items():
+                    metrics.log_scalar(f"{stat}:{name}", value, round=4)
+
+        return record

@@ -1,0 +1,34 @@
+"""Build plugin and stock models in-process from command-line style flags."""
+import torch
+from fairseq import options, tasks, utils
+
+from conftest import REPO
+
+
+def parse_args(data_bin, arch, *flags):
+    parser = options.get_training_parser()
+    argv = [data_bin, "--user-dir", f"{REPO}/fairseq_normplug", "--task", "translation",
+            "--arch", arch, "--cpu", *flags]
+    return options.parse_args_and_arch(parser, argv)
+
+
+def build(data_bin, arch, *flags, seed=1):
+    """(model, task, args) built exactly as fairseq-train builds them, with a fixed seed."""
+    args = parse_args(data_bin, arch, *flags)
+    utils.import_user_module(args)
+    task = tasks.setup_task(args)
+    torch.manual_seed(seed)
+    model = task.build_model(args)
+    return model, task, args
+
+
+def toy_batch(task, batch=3, length=7, seed=0):
+    """A deterministic batch of (src_tokens, src_lengths, prev_output_tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    d = task.source_dictionary
+    low = d.nspecial
+    src = torch.randint(low, len(d), (batch, length), generator=g)
+    src[:, -1] = d.eos()
+    prev = torch.randint(low, len(task.target_dictionary), (batch, length), generator=g)
+    prev[:, 0] = task.target_dictionary.eos()
+    return src, torch.full((batch,), length), prev

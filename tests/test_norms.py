@@ -1,0 +1,111 @@
+"""Each norm layer against its formula written out here, values and gradients."""
+import math
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+from torch.func import functional_call
+
+from fairseq.modules import LayerNorm
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
+from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, NORM_TYPES, NormSpec, build_norm
+from fairseq_normplug.modules.rms_norm import RMSNorm
+from fairseq_normplug.modules.scale_norm import ScaleNorm
+
+D = 16
+
+
+def randomized(module, seed=0):
+    """Give every parameter a random non-default value so formulas are really exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return module
+
+
+def test_scalenorm_formula_and_init():
+    norm = ScaleNorm(D, eps=1e-5)
+    assert norm.g.item() == pytest.approx(math.sqrt(D))
+    x = torch.randn(4, 3, D)
+    expected = math.sqrt(D) * x / x.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
+    # every output row has norm g
+    torch.testing.assert_close(norm(x).norm(dim=-1), torch.full((4, 3), math.sqrt(D)), rtol=1e-5, atol=1e-5)
+
+
+def test_scalenorm_clamps_tiny_norms_at_eps():
+    norm = ScaleNorm(D, eps=1e-3)
+    x = torch.full((1, D), 1e-6)
+    torch.testing.assert_close(norm(x), norm.g * x / 1e-3)
+
+
+def test_rmsnorm_formula():
+    norm = randomized(RMSNorm(D, eps=1e-6))
+    x = torch.randn(5, D)
+    expected = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-6) * norm.weight
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("squash,fn", [("tanh", torch.tanh), ("hardtanh", lambda v: v.clamp(-1, 1)),
+                                       ("sigmoid", torch.sigmoid)])
+def test_dyt_formula(squash, fn):
+    norm = randomized(DynamicTanh(D, squash=squash))
+    x = 3 * torch.randn(2, 7, D)
+    expected = norm.weight * fn(norm.alpha * x) + norm.bias
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dyt_init_values():
+    norm = DynamicTanh(D, alpha_init=0.8)
+    assert norm.alpha.item() == pytest.approx(0.8)
+    assert torch.equal(norm.weight, torch.ones(D)) and torch.equal(norm.bias, torch.zeros(D))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ScaleNorm(D), lambda: RMSNorm(D), lambda: DynamicTanh(D),
+    lambda: DynamicTanh(D, squash="sigmoid"), lambda: DynamicTanh(D, squash="hardtanh"),
+], ids=["scalenorm", "rmsnorm", "dyt", "dyt-sigmoid", "dyt-hardtanh"])
+def test_gradcheck_float64(make):
+    torch.manual_seed(0)
+    norm = randomized(make()).double()
+    x = torch.randn(3, 2, D, dtype=torch.float64, requires_grad=True)
+    names = [name for name, _ in norm.named_parameters()]
+    params = [p.detach().clone().requires_grad_(True) for p in norm.parameters()]
+
+    def fn(inp, *ps):
+        return functional_call(norm, dict(zip(names, ps)), (inp,))
+
+    # gradients with respect to the input and to every parameter
+    assert gradcheck(fn, (x, *params), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_type,count", [("layernorm", 2 * D), ("scalenorm", 1), ("rmsnorm", D),
+                                             ("dyt", 2 * D + 1)])
+def test_parameter_counts(norm_type, count):
+    norm = build_norm(NormSpec(norm_type=norm_type), D, FFN)
+    assert sum(p.numel() for p in norm.parameters()) == count
+
+
+def test_registry_types_and_roles():
+    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt"}
+    assert isinstance(build_norm(NormSpec(), D, FFN), type(LayerNorm(D)))
+    spec = NormSpec(norm_type="dyt", dyt_alpha_init=0.2, dyt_attn_alpha_init=0.8, dyt_freeze_alpha=True)
+    assert build_norm(spec, D, ATTENTION).alpha.item() == pytest.approx(0.8)
+    ffn = build_norm(spec, D, FFN)
+    assert ffn.alpha.item() == pytest.approx(0.2) and not ffn.alpha.requires_grad
+    fixed = NormSpec(norm_type="scalenorm", scalenorm_fixed_g=True)
+    assert not build_norm(fixed, D, FFN).g.requires_grad
+    assert build_norm(fixed, D, FFN, feeds_output=True).g.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("make", [lambda: ScaleNorm(D), lambda: RMSNorm(D), lambda: DynamicTanh(D)],
+                         ids=["scalenorm", "rmsnorm", "dyt"])
+def test_low_precision_inputs_use_fp32_statistics(make, dtype):
+    norm = make()
+    x = torch.randn(4, D) * 300  # sum of squares overflows fp16 (max 65504)
+    out = norm.to(dtype)(x.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out.float()).all()
+    reference = make()(x.to(dtype).float())
+    torch.testing.assert_close(out.float(), reference, rtol=1e-2, atol=1e-2)
