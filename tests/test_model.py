@@ -1,0 +1,239 @@
+"""transformer_normplug built in-process: structure of every flag combination, init
+statistics, FixNorm, equivalence with stock fairseq, and bad input."""
+import itertools
+import math
+
+import pytest
+import torch
+from fairseq.modules import LayerNorm
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_placement import named_norms, output_norm
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
+from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
+from fairseq_normplug.modules.rms_norm import RMSNorm
+from fairseq_normplug.modules.scale_norm import ScaleNorm
+from model_helpers import build, parse_args, toy_batch
+
+LAYERNORM_CLASS = type(LayerNorm(4))
+NORM_CLASSES = {"layernorm": LAYERNORM_CLASS, "scalenorm": ScaleNorm, "rmsnorm": RMSNorm,
+                "dyt": DynamicTanh}
+TINY = "transformer_normplug_tiny"
+
+
+def norm_flags(prenorm, norm_type, fixnorm, init):
+    flags = ["--prenorm"] if prenorm else []
+    flags += ["--norm-type", norm_type]
+    flags += ["--fixnorm"] if fixnorm else []
+    flags += ["--weight-init", init]
+    return flags
+
+
+@pytest.mark.parametrize("prenorm,norm_type,fixnorm,init", list(itertools.product(
+    [False, True], ["layernorm", "scalenorm", "rmsnorm", "dyt"], [False, True],
+    ["fairseq", "xavier", "smallinit"])))
+def test_every_combination_builds_with_the_right_modules(tiny_bin, prenorm, norm_type, fixnorm, init):
+    model, task, _ = build(tiny_bin, TINY, *norm_flags(prenorm, norm_type, fixnorm, init))
+    norms = named_norms(model)
+    expected = {f"enc{i}.{s}" for i in range(2) for s in ("attn", "ffn")}
+    expected |= {f"dec{i}.{s}" for i in range(2) for s in ("attn", "cross", "ffn")}
+    if prenorm:  # final stack norms exist only with PreNorm
+        expected |= {"enc.final", "dec.final"}
+    assert set(norms) == expected
+    assert all(type(norm) is NORM_CLASSES[norm_type] for norm in norms.values())
+    assert (model.encoder.layer_norm is not None) == prenorm
+    assert (model.decoder.layer_norm is not None) == prenorm
+    assert model.encoder.layers[0].normalize_before == prenorm
+    assert model.decoder.layers[1].normalize_before == prenorm
+    assert isinstance(model.encoder.embed_tokens, FixNormEmbedding) == fixnorm
+    assert isinstance(model.decoder.embed_tokens, FixNormEmbedding) == fixnorm
+    src, lengths, prev = toy_batch(task)
+    logits, _ = model(src, lengths, prev)
+    assert logits.shape == (3, 7, len(task.target_dictionary))
+    assert torch.isfinite(logits).all()
+
+
+def test_fixed_g_freezes_all_but_the_output_norm(tiny_bin):
+    model, _, _ = build(tiny_bin, TINY, "--prenorm", "--scalenorm", "--scalenorm-fixed-g", "--fixnorm")
+    learnable = [name for name, norm in named_norms(model).items() if norm.g.requires_grad]
+    assert learnable == ["dec.final"] and output_norm(model) is model.decoder.layer_norm
+    for norm in named_norms(model).values():
+        assert norm.g.item() == pytest.approx(math.sqrt(64))
+
+
+def test_dyt_alpha_inits_by_block(tiny_bin):
+    model, _, _ = build(tiny_bin, TINY, "--dyt", "--prenorm", "--dyt-alpha-init", "0.2",
+                        "--dyt-attn-alpha-init", "0.8", "--dyt-squash", "hardtanh", "--dyt-freeze-alpha")
+    for name, norm in named_norms(model).items():
+        attention_block = name.endswith(("attn", "cross"))
+        assert norm.alpha.item() == pytest.approx(0.8 if attention_block else 0.2), name
+        assert norm.squash == "hardtanh" and not norm.alpha.requires_grad
+
+
+def weights(model, names):
+    return [p for n, p in model.named_parameters() if n.split(".")[-2] in names and n.endswith("weight")]
+
+
+@pytest.mark.parametrize("init,attn_std,ffn_std", [
+    ("smallinit", math.sqrt(2 / (5 * 256)), math.sqrt(2 / (256 + 1024))),
+    ("xavier", math.sqrt(1 / 256), math.sqrt(2 / (256 + 1024))),
+    # fairseq's own: q/k/v Xavier-uniform gain 1/sqrt(2); fc1 kaiming-uniform(a=sqrt(5))
+    ("fairseq", math.sqrt(1 / 256) / math.sqrt(2), 1 / math.sqrt(3 * 256)),
+])
+def test_init_statistics(tiny_bin, init, attn_std, ffn_std):
+    model, _, _ = build(tiny_bin, "transformer_normplug_cpu", "--weight-init", init)
+    for p in weights(model, ("q_proj", "k_proj", "v_proj")):
+        assert p.std().item() == pytest.approx(attn_std, rel=0.03)
+        assert p.mean().abs().item() < 0.1 * attn_std
+    assert model.encoder.layers[0].fc1.weight.std().item() == pytest.approx(ffn_std, rel=0.03)
+    biases = [model.encoder.layers[0].self_attn.q_proj.bias, model.decoder.layers[2].fc2.bias]
+    assert all(b.abs().max() == 0 for b in biases) == (init != "fairseq")
+    if init != "fairseq":
+        for p in weights(model, ("out_proj",)):
+            assert p.std().item() == pytest.approx(attn_std, rel=0.03)
+
+
+@pytest.mark.parametrize("fixnorm", [False, True])
+def test_embedding_init(tiny_bin, fixnorm):
+    model, _, _ = build(tiny_bin, "transformer_normplug_cpu", *(["--fixnorm"] if fixnorm else []))
+    w = model.encoder.embed_tokens.weight.detach()[4:]
+    if fixnorm:  # U(-0.01, 0.01)
+        assert w.abs().max() <= 0.01 and w.std().item() == pytest.approx(0.01 / math.sqrt(3), rel=0.05)
+    else:  # N(0, d^-0.5)
+        assert w.std().item() == pytest.approx(256 ** -0.5, rel=0.05)
+
+
+def fixnorm_model(tiny_bin):
+    return build(tiny_bin, TINY, "--prenorm", "--scalenorm", "--fixnorm", "--smallinit")
+
+
+def test_fixnorm_rows_have_unit_norm_and_pad_is_zero(tiny_bin):
+    model, task, _ = fixnorm_model(tiny_bin)
+    rows = model.decoder.embed_tokens.normalized_weight()
+    pad = task.target_dictionary.pad()
+    norms = rows.norm(dim=1)
+    assert norms[pad].item() == 0
+    torch.testing.assert_close(torch.cat([norms[:pad], norms[pad + 1:]]), torch.ones(len(rows) - 1))
+    # the tied output layer uses the same normalised rows: logits are scaled cosines
+    features = torch.randn(5, 64)
+    expected = features @ rows.t()
+    logits = model.decoder.output_layer(features)
+    non_pad = [i for i in range(len(rows)) if i != pad]
+    torch.testing.assert_close(logits[:, non_pad], expected[:, non_pad])
+
+
+def test_fixnorm_gradient_is_finite_with_pad_present(tiny_bin):
+    model, task, _ = fixnorm_model(tiny_bin)
+    pad = task.target_dictionary.pad()
+    src, lengths, prev = toy_batch(task)
+    src[0, :3], prev[1, -2:] = pad, pad  # padding inside the batch
+    logits, _ = model(src, lengths, prev)
+    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), src.view(-1), ignore_index=pad)
+    loss.backward()
+    grad = model.encoder.embed_tokens.weight.grad
+    total = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None))
+    assert grad[pad].abs().max() == 0
+    assert torch.isfinite(total) and total < 100, total
+
+
+def test_naive_fixnorm_would_blow_up_the_pad_gradient():
+    """Why the pad row is masked: plain w/max(||w||, eps) on the zero pad row."""
+    w = torch.zeros(3, 8)
+    w[1:] = torch.rand(2, 8) * 0.01
+    w.requires_grad_(True)
+    naive = w / w.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    (naive[0] * torch.ones(8)).sum().backward()
+    assert w.grad[0].abs().max() > 1e10
+
+
+def test_pad_is_never_predicted(tiny_bin):
+    model, task, _ = fixnorm_model(tiny_bin)
+    model.eval()
+    pad = task.target_dictionary.pad()
+    src, lengths, prev = toy_batch(task, batch=8, length=9)
+    logits, _ = model(src, lengths, prev)
+    lprobs = model.get_normalized_probs((logits, None), log_probs=True)
+    assert (logits.argmax(-1) != pad).all()
+    others = torch.cat([logits[..., :pad], logits[..., pad + 1:]], dim=-1)
+    assert (logits[..., pad] < others.amin(-1) - 29).all()
+    assert (lprobs[..., pad] < -25).all() and torch.isfinite(lprobs).all()
+
+
+@pytest.mark.parametrize("arch,stock_arch,extra", [
+    ("transformer_normplug", "transformer",
+     ["--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "48", "--encoder-layers", "2",
+      "--decoder-layers", "2", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]),
+    ("transformer_normplug", "transformer",
+     ["--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "48", "--encoder-layers", "1",
+      "--decoder-layers", "1", "--encoder-normalize-before", "--decoder-normalize-before",
+      "--share-all-embeddings"]),
+])
+def test_flags_off_equals_stock_transformer(tiny_bin, arch, stock_arch, extra):
+    ours, task, _ = build(tiny_bin, arch, *extra, seed=3)
+    stock, _, _ = build(tiny_bin, stock_arch, *extra, seed=3)
+    assert type(ours).__mro__[1] is type(stock)
+    ours_sd, stock_sd = ours.state_dict(), stock.state_dict()
+    assert list(ours_sd) == list(stock_sd)
+    for name in stock_sd:
+        assert torch.equal(ours_sd[name], stock_sd[name]), name
+    assert [type(m) for m in ours.modules()][1:] == [type(m) for m in stock.modules()][1:]
+    ours.eval(), stock.eval()
+    src, lengths, prev = toy_batch(task)
+    assert torch.equal(ours(src, lengths, prev)[0], stock(src, lengths, prev)[0])
+
+
+def test_stock_state_dict_loads_strictly(tiny_bin):
+    stock, task, _ = build(tiny_bin, "transformer_tiny", seed=5)
+    ours, _, _ = build(tiny_bin, "transformer_normplug", "--encoder-embed-dim", "64",
+                       "--encoder-ffn-embed-dim", "64", "--encoder-layers", "2", "--decoder-layers", "2",
+                       "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", seed=6)
+    ours.load_state_dict(stock.state_dict(), strict=True)
+    ours.eval(), stock.eval()
+    src, lengths, prev = toy_batch(task)
+    assert torch.equal(ours(src, lengths, prev)[0], stock(src, lengths, prev)[0])
+
+
+BAD_INPUT = [
+    (["--scalenorm", "--dyt"], "--scalenorm and --dyt"),
+    (["--norm-type", "rmsnorm", "--scalenorm"], "--norm-type rmsnorm and --scalenorm"),
+    (["--prenorm", "--postnorm"], "--prenorm contradicts --postnorm"),
+    (["--postnorm", "--encoder-normalize-before"], "--postnorm contradicts --encoder-normalize-before"),
+    (["--scalenorm", "--norm-eps", "0"], "--norm-eps must be > 0, got 0.0"),
+    (["--dyt", "--dyt-alpha-init", "-0.5"], "--dyt-alpha-init must be > 0, got -0.5"),
+    (["--dyt", "--dyt-attn-alpha-init", "0"], "--dyt-attn-alpha-init must be > 0, got 0.0"),
+    (["--dyt-alpha-init", "0.5"], "--dyt-alpha-init needs --norm-type dyt"),
+    (["--scalenorm-fixed-g"], "--scalenorm-fixed-g needs --norm-type scalenorm, got --norm-type layernorm"),
+    (["--smallinit", "--weight-init", "xavier"], "--smallinit contradicts --weight-init xavier"),
+    (["--fixnorm", "--no-share-decoder-input-output-embed"], "--fixnorm needs the output layer tied"),
+    (["--norm-stats-interval", "-1"], "--norm-stats-interval must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_INPUT, ids=[" ".join(f) for f, _ in BAD_INPUT])
+def test_bad_input_is_rejected_at_argument_time(tiny_bin, flags, message):
+    arch = "transformer_normplug" if "--no-share-decoder-input-output-embed" in flags else TINY
+    flags = [f for f in flags if f != "--no-share-decoder-input-output-embed"]
+    with pytest.raises(NormplugError) as error:
+        parse_args(tiny_bin, arch, *flags)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flags", [["--norm-type", "batchnorm"], ["--weight-init", "he"],
+                                   ["--dyt", "--dyt-squash", "relu"]])
+def test_unknown_choices_are_argparse_errors(tiny_bin, flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(tiny_bin, TINY, *flags)
+    assert exit_info.value.code == 2
+    assert f"invalid choice: '{flags[-1]}'" in capsys.readouterr().err
+
+
+def test_share_all_embeddings_needs_a_joined_dictionary(tiny_raw, tmp_path):
+    from conftest import cli, run_cli
+
+    dest = str(tmp_path / "separate")
+    run_cli([cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+             "--trainpref", f"{tiny_raw}/train", "--validpref", f"{tiny_raw}/valid",
+             "--destdir", dest, "--workers", "1"])
+    with pytest.raises(NormplugError, match="--share-all-embeddings needs a joined dictionary.*"
+                                            "--share-decoder-input-output-embed"):
+        build(dest, "transformer_normplug_wmt_en_de", "--fixnorm")
