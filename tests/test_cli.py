@@ -1,0 +1,155 @@
+"""The plugin through fairseq's real command-line tools on a tiny generated corpus."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cli, run_cli
+
+USER_DIR = os.path.join(REPO, "fairseq_normplug")
+TRAIN_COMMON = [
+    "--user-dir", USER_DIR, "--task", "translation", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+    "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
+    "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--clip-norm", "1.0",
+    "--max-tokens", "1200", "--cpu", "--num-workers", "0", "--seed", "1", "--no-epoch-checkpoints",
+    "--log-format", "json", "--log-interval", "10", "--disable-validation",
+]
+COMBINATIONS = {
+    "prenorm-scalenorm-fixnorm-smallinit": ["--prenorm", "--scalenorm", "--fixnorm", "--smallinit"],
+    "postnorm-layernorm": [],
+    "prenorm-dyt": ["--prenorm", "--dyt"],
+}
+
+
+def train(data_bin, save_dir, flags, max_update, arch="transformer_normplug_tiny", extra=()):
+    args = [cli("fairseq-train"), data_bin, "--arch", arch, *TRAIN_COMMON, "--save-dir", str(save_dir),
+            "--max-update", str(max_update), *flags, *extra]
+    return run_cli(args)
+
+
+def log_records(proc, tag):
+    """The JSON records of one kind (train_inner, train, valid) from a fairseq log."""
+    out = []
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if f"| {tag} | " in line:
+            out.append(json.loads(line.split(f"| {tag} | ", 1)[1]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_bin, tmp_path_factory):
+    """Each combination trained for 30 updates, then resumed to 40."""
+    runs = {}
+    for name, flags in COMBINATIONS.items():
+        save_dir = tmp_path_factory.mktemp(name)
+        first = train(tiny_bin, save_dir, flags, 30)
+        resumed = train(tiny_bin, save_dir, flags, 40)
+        runs[name] = (save_dir, first, resumed)
+    return runs
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_train_and_resume(trained, name):
+    save_dir, first, resumed = trained[name]
+    assert os.path.exists(os.path.join(save_dir, "checkpoint_last.pt"))
+    assert log_records(first, "train")[-1]["train_num_updates"] == "30"
+    assert "Loaded checkpoint" in resumed.stdout + resumed.stderr
+    assert "@ 30 updates" in resumed.stdout + resumed.stderr
+    assert log_records(resumed, "train")[-1]["train_num_updates"] == "40"
+
+
+@pytest.mark.parametrize("name", list(COMBINATIONS))
+def test_generate_from_checkpoint(trained, tiny_bin, name):
+    save_dir, _, _ = trained[name]
+    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                    os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "4", "--cpu",
+                    "--max-tokens", "4000", "--gen-subset", "test",
+                    # fairseq's main branch drops the last batch unless it is a multiple of this
+                    "--required-batch-size-multiple", "1"])
+    hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
+    assert len(hypotheses) == 100
+    assert not any("<pad>" in h for h in hypotheses)
+    assert "BLEU4" in proc.stdout + proc.stderr
+
+
+def test_interactive_and_hub(trained, tiny_bin, tiny_raw):
+    save_dir, _, _ = trained["prenorm-scalenorm-fixnorm-smallinit"]
+    sentence = open(os.path.join(tiny_raw, "test.src")).readline()
+    proc = subprocess.run(
+        [cli("fairseq-interactive"), tiny_bin, "--user-dir", USER_DIR, "--path",
+         os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--cpu", "--source-lang", "src",
+         "--target-lang", "tgt"], input=sentence, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("H-0\t")]
+
+    from fairseq_normplug.models import TransformerNormplugModel
+
+    hub = TransformerNormplugModel.from_pretrained(str(save_dir), checkpoint_file="checkpoint_last.pt",
+                                                   data_name_or_path=tiny_bin, source_lang="src",
+                                                   target_lang="tgt")
+    translation = hub.translate(sentence.strip(), beam=2)
+    assert isinstance(translation, str) and translation.strip()
+    assert type(hub.models[0]).__name__ == "TransformerNormplugModel"
+
+
+def test_checkpoints_load_safely_only_through_the_plugin(trained):
+    """torch >= 2.6 loads with weights_only=True: the plugin allow-lists fairseq's classes."""
+    checkpoint = os.path.join(trained["prenorm-dyt"][0], "checkpoint_last.pt")
+    code = ("import sys, torch; {imp}"
+            "state = torch.load(sys.argv[1], map_location='cpu'); print(sorted(state)[:3])")
+    env = {k: v for k, v in os.environ.items() if "WEIGHTS_ONLY" not in k}
+    without = subprocess.run([sys.executable, "-c", code.format(imp="import fairseq; "), checkpoint],
+                             capture_output=True, text=True, env=env)
+    assert without.returncode != 0 and "weights_only" in without.stderr
+    with_plugin = subprocess.run([sys.executable, "-c", code.format(imp="import fairseq_normplug; "),
+                                  checkpoint], capture_output=True, text=True, env=env)
+    assert with_plugin.returncode == 0, with_plugin.stderr[-2000:]
+    assert "cfg" in with_plugin.stdout
+
+
+def test_eval_bleu_validation_and_best_checkpoint(tiny_bin, tmp_path):
+    flags = [f for f in TRAIN_COMMON if f != "--disable-validation"]
+    proc = run_cli([cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *flags,
+                    "--prenorm", "--scalenorm", "--fixnorm", "--save-dir", str(tmp_path), "--max-update", "20",
+                    "--validate-interval-updates", "10", "--eval-bleu", "--eval-bleu-args", '{"beam": 1}',
+                    "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric"])
+    valid = log_records(proc, "valid")
+    assert len(valid) >= 2 and all("valid_bleu" in r for r in valid)
+    assert os.path.exists(tmp_path / "checkpoint_best.pt")
+
+
+def test_a_longer_run_learns(tiny_bin, tmp_path):
+    proc = train(tiny_bin, tmp_path, COMBINATIONS["prenorm-scalenorm-fixnorm-smallinit"], 250,
+                 extra=["--no-save", "--log-interval", "25"])
+    losses = [float(r["loss"]) for r in log_records(proc, "train_inner")]
+    assert len(losses) >= 8
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_norm_stats_are_logged(tiny_bin, tmp_path):
+    proc = train(tiny_bin, tmp_path, ["--prenorm", "--dyt", "--norm-stats-interval", "10"], 20,
+                 extra=["--no-save"])
+    record = log_records(proc, "train_inner")[-1]
+    assert float(record["alpha:enc0.attn"]) == pytest.approx(0.5, abs=0.05)
+    assert float(record["in_std:dec.final"]) > 0 and "gain:dec1.ffn" in record
+
+
+BAD_CLI = [
+    (["--scalenorm", "--dyt"], "two norm types at once: --scalenorm and --dyt"),
+    (["--dyt", "--dyt-alpha-init", "0"], "--dyt-alpha-init must be > 0, got 0.0"),
+    (["--prenorm", "--postnorm"], "--prenorm contradicts --postnorm"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_CLI, ids=[" ".join(f) for f, _ in BAD_CLI])
+def test_bad_input_on_the_command_line(tmp_path, flags, message):
+    """A one-line error with exit status 2 and no traceback, before any data is read
+    (the data directory does not even exist)."""
+    proc = run_cli([cli("fairseq-train"), str(tmp_path / "no-such-data"), "--arch",
+                    "transformer_normplug_tiny", *TRAIN_COMMON, *flags], check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-normplug: error:")]
+    assert len(errors) == 1 and message in errors[0]
