@@ -153,3 +153,26 @@ def test_bad_input_on_the_command_line(tmp_path, flags, message):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-normplug: error:")]
     assert len(errors) == 1 and message in errors[0]
+
+
+def test_data_parallel_on_cpu_with_gloo(tiny_bin, tmp_path):
+    """Two CPU processes train one model data-parallel (docs/experiments.md)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *TRAIN_COMMON,
+              "--prenorm", "--scalenorm", "--max-update", "6", "--log-interval", "3",
+              "--save-dir", str(tmp_path), "--distributed-world-size", "2", "--distributed-backend", "gloo",
+              "--ddp-backend", "legacy_ddp", "--distributed-no-spawn", "--device-id", "0",
+              "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    procs = [subprocess.Popen(common + ["--distributed-rank", str(rank)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "training on 2 devices" in outputs[0]
+    assert '"train_num_updates": "6"' in outputs[0]
+    assert os.path.exists(tmp_path / "checkpoint_last.pt")
