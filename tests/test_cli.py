@@ -176,3 +176,18 @@ def test_data_parallel_on_cpu_with_gloo(tiny_bin, tmp_path):
     assert "training on 2 devices" in outputs[0]
     assert '"train_num_updates": "6"' in outputs[0]
     assert os.path.exists(tmp_path / "checkpoint_last.pt")
+
+
+@pytest.mark.parametrize("where", ["repository root, relative --user-dir", "elsewhere, fairseq-normplug-path"])
+def test_user_dir_from_the_repository_and_from_anywhere(tmp_path, where):
+    if where.startswith("repository"):
+        cwd, user_dir = REPO, "fairseq_normplug"
+    else:
+        cwd = str(tmp_path)
+        user_dir = run_cli([cli("fairseq-normplug-path")], cwd=cwd).stdout.strip()
+        assert os.path.samefile(user_dir, USER_DIR)
+    # the plugin is loaded when its own flag validation answers
+    proc = run_cli([cli("fairseq-train"), str(tmp_path / "data"), "--user-dir", user_dir, "--arch",
+                    "transformer_normplug_tiny", "--scalenorm", "--rmsnorm", "--cpu"], cwd=cwd, check=False)
+    assert proc.returncode == 2
+    assert "fairseq-normplug: error: two norm types at once: --scalenorm and --rmsnorm" in proc.stderr
