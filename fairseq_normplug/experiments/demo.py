@@ -1,0 +1,81 @@
+"""``scripts/demo.sh``: the main job on a built-in default.
+
+A small version of the paper's main comparison, end to end on 2 CPU cores:
+PostNorm + LayerNorm + warmup vs PreNorm + FixNorm + ScaleNorm + NoWarmup vs PreNorm + DyT
+(``configs/experiments/demo.json``), trained, translated, scored, tabulated and plotted.
+
+By default the corpus is the project's SYNTHETIC one (fairseq_normplug.synthetic_corpus: no
+download; BLEU on it only shows that training works). ``--corpus DIR --src L --tgt L`` takes
+any raw parallel corpus laid out as {train,valid or dev,test}.{L} instead, e.g.
+``--corpus ../shared/data/multi30k_de_en/raw --src de --tgt en``.
+"""
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.configs import REPO, load_recipes, load_table
+from fairseq_normplug.experiments.reproduce import run_table
+from fairseq_normplug.synthetic_corpus import SRC_LANG, TGT_LANG, write_corpus
+
+PRESETS = {"tiny": "cpu_tiny", "small": "cpu_small"}
+SYNTHETIC_DIR = os.path.join(REPO, "data", "synthetic")
+
+
+def prepare(raw_dir: str, src: str, tgt: str, dest: str, tokenized: bool, bpe_merges: int) -> str:
+    """Tokenize/BPE/binarize ``raw_dir`` into ``dest`` with the project's data pipeline."""
+    command = [sys.executable, "-m", "fairseq_normplug.prepare.corpus", raw_dir, "--src", src, "--tgt", tgt,
+               "--dest", dest, "--bpe-merges", str(bpe_merges)] + (["--tokenized"] if tokenized else [])
+    proc = subprocess.run(command)
+    if proc.returncode != 0:
+        raise NormplugError(f"preparing {raw_dir} failed (exit {proc.returncode}); see the messages above")
+    return dest
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="demo.sh", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--corpus", metavar="DIR", help="raw parallel corpus (default: built-in synthetic)")
+    parser.add_argument("--src", help="source language of --corpus")
+    parser.add_argument("--tgt", help="target language of --corpus")
+    parser.add_argument("--tokenized", action="store_true", help="--corpus text is already tokenized")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                        help="size: small (default, ~20 min on 2 cores) or tiny (a few minutes)")
+    parser.add_argument("--bpe-merges", type=int, default=4000, help="joint BPE merges (default 4000)")
+    parser.add_argument("--out", default=os.path.join(REPO, "results", "demo"),
+                        help="output folder: results.csv, results.md, PNG figures (default results/demo)")
+    args = parser.parse_args(argv)
+    if args.corpus and not (args.src and args.tgt):
+        parser.error("--corpus needs --src and --tgt")
+    if not args.corpus and (args.src or args.tgt):
+        parser.error("--src/--tgt describe --corpus; pass --corpus too")
+    started = time.time()
+    try:
+        if args.corpus:
+            raw, src, tgt, tokenized = args.corpus, args.src, args.tgt, args.tokenized
+            name = os.path.basename(os.path.normpath(raw))
+            name = os.path.basename(os.path.dirname(os.path.normpath(raw))) if name in ("raw", "tok") else name
+        else:
+            raw = os.path.join(SYNTHETIC_DIR, "raw")
+            if not os.path.exists(os.path.join(raw, "README")):
+                print(f"[demo] writing the built-in SYNTHETIC corpus to {raw}")
+                write_corpus(raw)
+            src, tgt, tokenized, name = SRC_LANG, TGT_LANG, True, "synthetic"
+        pair = f"{src}-{tgt}"
+        data_dir = prepare(raw, src, tgt, os.path.join(REPO, "data", name, f"{pair}-bpe{args.bpe_merges}"),
+                           tokenized, args.bpe_merges)
+        table = load_table("demo")
+        table = dataclasses.replace(table, recipe=load_recipes()[PRESETS[args.preset]], pairs=[pair],
+                                    title=f"{table.title} ({name}, preset {args.preset})")
+        run_table(table, [pair], {pair: data_dir}, os.path.join(args.out, "runs"), args.out)
+    except NormplugError as error:
+        sys.exit(f"demo.sh: error: {error}")
+    print(f"[demo] done in {(time.time() - started) / 60:.1f} minutes; results in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""``scripts/reproduce.sh TABLE [PAIR ...]``: run every row of a paper table on prepared data,
+then write ``results/<TABLE>/results.{csv,md}`` and the figures.
+
+Resumable: finished rows are skipped, interrupted ones resume from their last checkpoint,
+diverged ones stay recorded as diverged. See docs/experiments.md.
+"""
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Dict, List
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments import bleu, figures, tables
+from fairseq_normplug.experiments.configs import REPO, Table, available_tables, load_data_locations, load_table
+from fairseq_normplug.experiments.runner import (
+    Run, check_data_dir, evaluate, read_json, slug, test_hypotheses, test_references, train,
+)
+
+#: run status (status.json) -> results-table status
+RESULT_STATUS = {"done": "ok", "pending": "failed"}
+
+
+def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str,
+              rows: List[str] = ()) -> List[Run]:
+    """All (pair, row) runs, after checking every input (nothing is trained on bad input)."""
+    selected = [table.row(name) for name in rows] if rows else table.rows
+    runs = []
+    for pair in pairs:
+        if pair.count("-") != 1:
+            raise NormplugError(f"bad language pair {pair!r}; write it as SRC-TGT, e.g. {table.pairs[0]}")
+        if pair not in data_dirs:
+            raise NormplugError(f"no data folder for {pair}: pass --data {pair}=DIR or add it to configs/data.json")
+        check_data_dir(data_dirs[pair], pair)
+        for row in selected:
+            runs.append(Run(table=table, row=row, pair=pair, data_dir=data_dirs[pair],
+                            run_dir=os.path.join(runs_dir, table.name, pair, slug(row.name))))
+    return runs
+
+
+def result_rows(table: Table, runs: List[Run]) -> List[dict]:
+    """One results-table row per run, with the paired-bootstrap p-value of tokenized BLEU
+    against the run's baseline row on the same pair."""
+    by_key = {(run.pair, run.row.name): run for run in runs}
+    out = []
+    for run in runs:
+        status = run.status()
+        scores = read_json(run.path("scores.json")) or {}
+        baseline = by_key.get((run.pair, run.row.baseline)) if run.row.baseline else None
+        p_value = None
+        if scores and baseline is not None and read_json(baseline.path("scores.json")):
+            refs, _ = test_references(run.data_dir, run.tgt)
+            p_value = bleu.paired_bootstrap(test_hypotheses(baseline, len(refs)),
+                                            test_hypotheses(run, len(refs)), refs).p_value
+        out.append({
+            "table": table.name, "pair": run.pair, "row": run.row.name,
+            "config": " ".join(run.row.model + [f"schedule={run.row.schedule}"]),
+            "tokenized_bleu": scores.get("tokenized_bleu"), "sacrebleu": scores.get("sacrebleu"),
+            "sacrebleu_signature": scores.get("sacrebleu_signature"), "p_value": p_value,
+            "status": RESULT_STATUS.get(status["status"], status["status"]),
+            "updates": status.get("updates"), "minutes": status.get("minutes"),
+        })
+    return out
+
+
+def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str, results_dir: str,
+              rows: List[str] = (), extra_train: List[str] = (), echo: Callable[[str], None] = print) -> List[dict]:
+    runs = plan_runs(table, pairs, data_dirs, runs_dir, rows)
+    echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {len(runs) // len(pairs)} rows)")
+    for index, run in enumerate(runs, 1):
+        echo(f"[reproduce] run {index}/{len(runs)}: {run.label}")
+        train(run, extra_train, echo=echo)
+        evaluate(run, echo=echo)
+    results = result_rows(table, runs)
+    os.makedirs(results_dir, exist_ok=True)
+    tables.write_results(results, results_dir, title=table.title)
+    logs = {f"{run.row.name} ({run.pair})" if len(pairs) > 1 else run.row.name: run.path("train.log")
+            for run in runs if os.path.exists(run.path("train.log"))}
+    for name, outcome in figures.make_figures(figures.load_logs(logs), results_dir).items():
+        echo(f"[reproduce] figure {name}: {outcome}")
+    echo(f"[reproduce] results: {os.path.join(results_dir, 'results.md')}, "
+         f"{os.path.join(results_dir, 'results.csv')}")
+    return results
+
+
+def parse_data_overrides(values: List[str]) -> Dict[str, str]:
+    out = {}
+    for value in values:
+        if "=" not in value:
+            raise NormplugError(f"--data takes PAIR=DIR, got {value!r}")
+        pair, folder = value.split("=", 1)
+        out[pair] = os.path.abspath(folder)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="reproduce.sh", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=f"tables: {', '.join(available_tables())}")
+    parser.add_argument("table", help="table to run, e.g. table3")
+    parser.add_argument("pairs", nargs="*", help="language pairs (default: all of the table's)")
+    parser.add_argument("--data", action="append", default=[], metavar="PAIR=DIR",
+                        help="prepared data folder of a pair (default: configs/data.json)")
+    parser.add_argument("--rows", nargs="+", default=[], metavar="NAME", help="only these rows")
+    parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs"))
+    parser.add_argument("--results-dir", help="default: results/TABLE")
+    parser.add_argument("--train-flags", default="", help="extra fairseq-train flags, one string")
+    args = parser.parse_args(argv)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    try:
+        table = load_table(args.table)
+        data_dirs = {**load_data_locations(), **parse_data_overrides(args.data)}
+        run_table(table, args.pairs or table.pairs, data_dirs, args.runs_dir,
+                  args.results_dir or os.path.join(REPO, "results", table.name), args.rows,
+                  args.train_flags.split())
+    except NormplugError as error:
+        sys.exit(f"reproduce.sh: error: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""``scripts/train.sh`` and ``scripts/evaluate.sh``: one row of a table on one prepared data
+folder (``scripts/prepare_*.sh`` output, holding bin/ and ref/).
+
+    scripts/train.sh TABLE ROW DATA_DIR [--run-dir DIR] [--train-flags "..."]
+    scripts/evaluate.sh TABLE ROW DATA_DIR [--run-dir DIR]
+
+ROW is the row's name in configs/experiments/TABLE.json (e.g. "PreNorm + FixNorm + ScaleNorm").
+The default run folder is runs/TABLE/PAIR/ROW-SLUG, the one reproduce.sh uses, so both share
+(and resume) the same runs.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import sys
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.configs import REPO, load_table
+from fairseq_normplug.experiments.runner import Run, check_data_dir, evaluate, slug, train
+
+
+def pair_of(data_dir: str) -> str:
+    """SRC-TGT of a prepared folder, read from its binarized training files."""
+    names = glob.glob(os.path.join(data_dir, "bin", "train.*-*.*.bin"))
+    pairs = {re.match(r"train\.([^.]+)\.", os.path.basename(name)).group(1) for name in names}
+    if len(pairs) != 1:
+        raise NormplugError(f"{data_dir}/bin does not hold exactly one language pair's training data "
+                            f"(found: {sorted(pairs) or 'none'}); prepare it with scripts/prepare_*.sh")
+    return pairs.pop()
+
+
+def build_run(args) -> Run:
+    table = load_table(args.table)
+    row = table.row(args.row)
+    data_dir = os.path.abspath(args.data_dir)
+    pair = pair_of(data_dir)
+    check_data_dir(data_dir, pair)
+    run_dir = args.run_dir or os.path.join(REPO, "runs", table.name, pair, slug(row.name))
+    return Run(table=table, row=row, pair=pair, data_dir=data_dir, run_dir=run_dir)
+
+
+def parser_for(prog: str, train_flags: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("table", help="e.g. table3 (configs/experiments/*.json)")
+    parser.add_argument("row", help="row name, e.g. 'PreNorm + FixNorm + ScaleNorm'")
+    parser.add_argument("data_dir", help="prepared data folder (holds bin/ and ref/)")
+    parser.add_argument("--run-dir", help="run folder (default runs/TABLE/PAIR/ROW-SLUG)")
+    if train_flags:
+        parser.add_argument("--train-flags", default="", help="extra fairseq-train flags, one string")
+    return parser
+
+
+def train_main(argv=None):
+    args = parser_for("train.sh", train_flags=True).parse_args(argv)
+    try:
+        status = train(build_run(args), args.train_flags.split())
+    except NormplugError as error:
+        sys.exit(f"train.sh: error: {error}")
+    print(json.dumps(status, indent=2)[:2000])
+    sys.exit(0 if status["status"] in ("done", "diverged") else 1)
+
+
+def evaluate_main(argv=None):
+    args = parser_for("evaluate.sh", train_flags=False).parse_args(argv)
+    try:
+        run = build_run(args)
+        scores = evaluate(run)
+    except NormplugError as error:
+        sys.exit(f"evaluate.sh: error: {error}")
+    if scores is None:
+        sys.exit(f"evaluate.sh: error: {run.label} is not trained ({run.status()['status']}); "
+                 f"run scripts/train.sh first")
+    print(json.dumps(scores, indent=2))
+
+
+if __name__ == "__main__":
+    {"train": train_main, "evaluate": evaluate_main}[sys.argv.pop(1)]()
