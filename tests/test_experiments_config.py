@@ -33,8 +33,10 @@ def test_warmup_scaling_for_cpu_recipes():
     recipe = load_table("demo").recipe
     flags = scaled_schedule_flags(table.schedules["inv_sqrt_decay"], recipe)
     assert flags[flags.index("--warmup-updates") + 1] == str(round(8000 * recipe.warmup_scale))
+    assert float(flags[flags.index("--lr-lambda") + 1]) == pytest.approx(recipe.lr_lambda_scale)
     flags = scaled_schedule_flags(table.schedules["no_warmup"], recipe)
     assert flags[flags.index("--warmup-updates") + 1] == "0"
+    assert flags[flags.index("--lr") + 1] == "3e-4"
 
 
 @pytest.fixture

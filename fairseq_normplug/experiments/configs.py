@@ -5,7 +5,8 @@
   ``model`` flags, a ``schedule`` name, optionally ``baseline`` (the row it is compared to),
   ``train`` (extra fairseq-train flags) and ``paper`` (a note).
 * ``configs/recipes.json``: how rows are trained and evaluated (arch, fairseq-train and
-  fairseq-generate flags, ``warmup_scale`` for short CPU runs).
+  fairseq-generate flags; ``warmup_scale`` and ``lr_lambda_scale`` shrink the schedules'
+  warmup length and lambda for short CPU runs of small models).
 * ``configs/schedules.json``: the paper's learning-rate schedules as flags.
 * ``configs/data.json``: where each language pair's prepared data lives.
 
@@ -25,7 +26,7 @@ EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
 
 TABLE_KEYS = {"title", "recipe", "pairs", "rows"}
 ROW_KEYS = {"name", "model", "schedule", "baseline", "train", "paper"}
-RECIPE_KEYS = {"description", "arch", "train", "generate", "warmup_scale"}
+RECIPE_KEYS = {"description", "arch", "train", "generate", "warmup_scale", "lr_lambda_scale"}
 SCHEDULE_KEYS = {"description", "flags", "warmup"}
 
 
@@ -47,6 +48,7 @@ class Recipe:
     generate: List[str]
     description: str = ""
     warmup_scale: float = 1.0
+    lr_lambda_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,11 @@ def load_recipes(config_dir: str = CONFIG_DIR) -> Dict[str, Recipe]:
         recipes[name] = Recipe(name=name, arch=data["arch"], train=_check_flags(data["train"], where),
                                generate=_check_flags(data["generate"], where),
                                description=data.get("description", ""),
-                               warmup_scale=float(data.get("warmup_scale", 1.0)))
-        if not 0 < recipes[name].warmup_scale <= 1:
-            raise NormplugError(f"{where}: warmup_scale must be in (0, 1], got {recipes[name].warmup_scale}")
+                               warmup_scale=float(data.get("warmup_scale", 1.0)),
+                               lr_lambda_scale=float(data.get("lr_lambda_scale", 1.0)))
+        for key in ("warmup_scale", "lr_lambda_scale"):
+            if not 0 < getattr(recipes[name], key) <= 1:
+                raise NormplugError(f"{where}: {key} must be in (0, 1], got {getattr(recipes[name], key)}")
     return recipes
 
 

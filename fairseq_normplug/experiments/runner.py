@@ -56,11 +56,16 @@ def read_json(path: str) -> Optional[dict]:
 
 
 def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
-    """The schedule's flags with ``--warmup-updates`` scaled by the recipe's warmup_scale."""
+    """The schedule's flags with ``--warmup-updates`` and ``--lr-lambda`` scaled by the
+    recipe's ``warmup_scale`` and ``lr_lambda_scale`` (short CPU runs of small models: a
+    shorter warmup, and a lambda that keeps eq. 7's peak lr near the paper's ~5e-4-1e-3)."""
     flags = list(schedule.flags)
-    if "--warmup-updates" in flags and recipe.warmup_scale != 1.0:
-        i = flags.index("--warmup-updates") + 1
-        flags[i] = str(max(1, round(int(flags[i]) * recipe.warmup_scale))) if int(flags[i]) else "0"
+    for flag, scale, convert in (("--warmup-updates", recipe.warmup_scale, lambda v: str(round(v))),
+                                 ("--lr-lambda", recipe.lr_lambda_scale, lambda v: f"{v:g}")):
+        if flag in flags and scale != 1.0:
+            i = flags.index(flag) + 1
+            value = float(flags[i]) * scale
+            flags[i] = convert(max(value, 1) if flag == "--warmup-updates" and value > 0 else value)
     return flags
 
 
