@@ -1,70 +1,36 @@
 """Loading fairseq checkpoints under torch >= 2.6, whose ``torch.load`` defaults to
 ``weights_only=True``. Instead of switching safe loading off, the few non-tensor classes a
-fairseq checkpoint holds are allow-listed with ``torch.serialization.add_safe_globals``."""
+fairseq checkpoint holds are allow-listed with ``torch.serialization.add_safe_globals``.
+
+What a fairseq checkpoint pickles besides tensors and builtin containers: the legacy
+``args`` (an ``argparse.Namespace``) and numpy arrays and scalars (the data iterator's
+state, scores), i.e. numpy's array reconstructor, ``ndarray``, ``dtype`` and its concrete
+dtype classes (``numpy.dtypes.Int64DType``, ...). The config itself is stored as a plain dict.
+"""
+import argparse
+import importlib
+
+import numpy as np
 import torch
 
 
+def _numpy_pickle_helpers():
+    """numpy's pickle helpers, under numpy 1.x (numpy.core) or 2.x (numpy._core) names."""
+    found = []
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        for name in ("_reconstruct", "scalar"):
+            try:
+                found.append(getattr(importlib.import_module(module), name))
+            except (ImportError, AttributeError):
+                pass
+    return found
+
+
 def fairseq_checkpoint_classes():
-    """The classes pickled inside fairseq checkpoints (config, args, meters, numpy scalars)."""
-    import argparse
-    import collections
-    import typing
-
-    import numpy as np
-    from omegaconf import DictConfig, ListConfig, nodes
-    from omegaconf.base import ContainerMetadata, Metadata
-
-    classes = [
-        argparse.Namespace,
-        collections.OrderedDict,
-        collections.defaultdict,
-        typing.Any,
-        DictConfig,
-        ListConfig,
-        ContainerMetadata,
-        Metadata,
-        nodes.AnyNode,
-        nodes.BooleanNode,
-        nodes.FloatNode,
-        nodes.IntegerNode,
-        nodes.StringNode,
-        nodes.EnumNode,
-        nodes.ValueNode,
-        dict,
-        list,
-        set,
-        tuple,
-        int,
-        float,
-        bool,
-        str,
-        np.dtype,
-        np.ndarray,
-    ]
-    classes += [getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")]
-    for module, name in (("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-                         ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")):
-        try:
-            classes.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    from fairseq.logging import meters
-
-    classes += [
-        meters.AverageMeter,
-        meters.SumMeter,
-        meters.TimeMeter,
-        meters.StopwatchMeter,
-        meters.MetersDict,
-    ]
-    from fairseq.dataclass import constants
-
-    classes += [
-        value
-        for value in vars(constants).values()
-        if isinstance(value, type) and issubclass(value, __import__("enum").Enum)
-    ]
-    return classes
+    """The non-tensor classes found inside fairseq checkpoints."""
+    dtype_classes = [getattr(np.dtypes, name) for name in dir(getattr(np, "dtypes", object))
+                     if name.endswith("DType")]
+    return [argparse.Namespace, np.ndarray, np.dtype, *dtype_classes, *_numpy_pickle_helpers()]
 
 
 def allow_fairseq_checkpoint_classes() -> None:

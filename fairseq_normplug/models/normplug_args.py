@@ -7,7 +7,7 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_registry import DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
 
-NORM_SHORTHANDS = {"scalenorm": "scalenorm", "rmsnorm": "rmsnorm", "dyt": "dyt"}
+NORM_SHORTHANDS = ("scalenorm", "rmsnorm", "dyt")  # --scalenorm = --norm-type scalenorm, ...
 DEFAULTS = {
     "prenorm": False,
     "postnorm": False,
@@ -95,7 +95,7 @@ def _resolve_norm_type(args) -> str:
             raise NormplugError(
                 f"unknown --norm-type {args.norm_type!r}; choose from {', '.join(NORM_TYPES)}")
         chosen.append(("--norm-type " + args.norm_type, args.norm_type))
-    chosen += [(_flag(flag), norm) for flag, norm in NORM_SHORTHANDS.items() if getattr(args, flag)]
+    chosen += [(_flag(norm), norm) for norm in NORM_SHORTHANDS if getattr(args, norm)]
     if len({norm for _, norm in chosen}) > 1:
         raise NormplugError(
             f"two norm types at once: {' and '.join(f for f, _ in chosen)}; "
