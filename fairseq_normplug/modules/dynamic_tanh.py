@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fairseq_normplug.modules.precision import upcast
+from fairseq_normplug.modules import fused, native
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, needs_autograd, rows
 
 SQUASH_FUNCTIONS = {
     "tanh": torch.tanh,
@@ -18,13 +19,87 @@ def dynamic_tanh_reference(x, alpha, weight, bias, squash: str = "tanh"):
     return weight * SQUASH_FUNCTIONS[squash](alpha * x) + bias
 
 
+def _squash_and_slope(z: torch.Tensor, squash: str):
+    """``squash(z)`` and its derivative ``squash'(z)``."""
+    if squash == "tanh":
+        t = fused.tanh(z)
+        return t, 1 - t * t
+    if squash == "hardtanh":
+        return z.clamp(-1, 1), ((z > -1) & (z < 1)).to(z.dtype)
+    t = torch.sigmoid(z)
+    return t, t * (1 - t)
+
+
+def _dynamic_tanh_forward(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor, squash: str):
+    """Eq. (1) on a ``(rows, d)`` matrix in one elementwise pass: ``y = g squash(a x) + b``."""
+    dtype = compute_dtype(x)
+    t = _squash_and_slope(x.to(dtype) * alpha.to(dtype), squash)[0]
+    return torch.addcmul(bias.to(dtype), t, weight.to(dtype)).to(x.dtype)
+
+
+def _dynamic_tanh_backward(grad: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor,
+                           weight: torch.Tensor, squash: str):
+    """Hand-derived gradient of eq. (1), squash recomputed from x (nothing but x is saved).
+    With z = a x and e = dy g squash'(z): ``dx = a e``, ``da = sum e x``,
+    ``dg = sum_rows dy squash(z)``, ``db = sum_rows dy``."""
+    dtype = compute_dtype(x)
+    xf, gf = x.to(dtype), grad.to(dtype)
+    a = alpha.to(dtype)
+    t, slope = _squash_and_slope(xf * a, squash)
+    e = gf * weight.to(dtype) * slope
+    return (e * a).to(grad.dtype), (e * xf).sum(), (gf * t).sum(0), gf.sum(0)
+
+
+dynamic_tanh_forward_kernel = Kernel(_dynamic_tanh_forward, native.dynamic_tanh_forward)
+dynamic_tanh_backward_kernel = Kernel(_dynamic_tanh_backward,
+                                     native.dynamic_tanh_backward)
+
+
+class _DynamicTanhFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, alpha, weight, bias, squash):
+        x2 = rows(x)
+        y = dynamic_tanh_forward_kernel(x2, alpha, weight, bias,
+                                        squash)
+        ctx.save_for_backward(x2, alpha, weight, bias)
+        ctx.squash = squash
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, alpha, weight, bias = ctx.saved_tensors
+        grad_x, grad_alpha, grad_weight, grad_bias = dynamic_tanh_backward_kernel(
+            rows(grad), x2, alpha, weight, ctx.squash)
+        needs = ctx.needs_input_grad
+        return (
+            grad_x.view(grad.shape),
+            grad_alpha.to(alpha.dtype) if needs[1] else None,
+            grad_weight.to(weight.dtype) if needs[2] else None,
+            grad_bias.to(bias.dtype) if needs[3] else None,
+            None,
+        )
+
+
+def dynamic_tanh(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor, squash: str = "tanh") -> torch.Tensor:
+    """Fast path of :func:`dynamic_tanh_reference` (same values and gradients, computed in
+    float32 for fp16/bf16 input, output in the input dtype): one fused elementwise kernel
+    each way, with a rational tanh when compiled on CPU; see ``fused.py``."""
+    if needs_autograd(x, alpha, weight, bias):
+        return _DynamicTanhFunction.apply(x, alpha, weight, bias, squash)
+    return dynamic_tanh_forward_kernel(
+        rows(x), alpha, weight, bias, squash).view(x.shape)
+
+
 class DynamicTanh(nn.Module):
     """DyT: one learnable scalar ``alpha`` (init ``alpha_init``, default 0.5), a per-channel
     gain ``weight`` (gamma, init 1) and shift ``bias`` (beta, init 0).
 
     ``squash`` selects tanh (the paper's choice), hardtanh or sigmoid (its ablation,
     Table 9); ``learnable_alpha=False`` freezes alpha (the "without alpha" ablation).
-    Computed in float32 whatever the input dtype.
+    Computed in float32 whatever the input dtype; ``forward`` runs the fused fast path
+    :func:`dynamic_tanh`.
     """
 
     def __init__(
@@ -48,10 +123,7 @@ class DynamicTanh(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = dynamic_tanh_reference(
-            upcast(x), upcast(self.alpha), upcast(self.weight), upcast(self.bias), self.squash
-        )
-        return out.to(x.dtype)
+        return dynamic_tanh(x, self.alpha, self.weight, self.bias, self.squash)
 
     def extra_repr(self) -> str:
         return (

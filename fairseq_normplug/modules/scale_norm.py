@@ -4,7 +4,8 @@ import math
 import torch
 from torch import nn
 
-from fairseq_normplug.modules.precision import upcast
+from fairseq_normplug.modules import native
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, needs_autograd, rows
 
 
 def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -13,10 +14,62 @@ def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.
     return g * x / norm
 
 
+def _scale_norm_forward(x: torch.Tensor, g: torch.Tensor, eps: float):
+    """Eq. (8) on a ``(rows, d)`` matrix: ``y = x * (g / max(||x||, eps))`` (one reduction,
+    one scaled copy); also returns the unclamped row norms ``||x||`` for the backward."""
+    xf = x.to(compute_dtype(x))
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    y = xf * (g.to(xf.dtype) / norm.clamp(min=eps))
+    return y.to(x.dtype), norm
+
+
+def _scale_norm_backward(grad: torch.Tensor, x: torch.Tensor, norm: torch.Tensor,
+                         g: torch.Tensor, eps: float):
+    """Hand-derived gradient of eq. (8). With n = ||x||, r = 1 / max(n, eps), s = <x, dy>:
+    ``dx = g r (dy - x s r^2 [n >= eps])`` and ``dg = sum_rows s r``."""
+    dtype = compute_dtype(x)
+    xf, gf = x.to(dtype), grad.to(dtype)
+    dot = torch.linalg.vecdot(xf, gf, dim=-1).unsqueeze(-1)
+    inv = 1 / norm.clamp(min=eps)
+    coef = torch.where(norm >= eps, dot * inv * inv, torch.zeros_like(dot))
+    grad_x = torch.addcmul(gf, xf, coef, value=-1).mul_(g.to(dtype) * inv)
+    return grad_x.to(grad.dtype), (dot * inv).sum()
+
+
+scale_norm_forward_kernel = Kernel(_scale_norm_forward, native.scale_norm_forward)
+scale_norm_backward_kernel = Kernel(_scale_norm_backward, native.scale_norm_backward)
+
+
+class _ScaleNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, g, eps):
+        x2 = rows(x)
+        y, norm = scale_norm_forward_kernel(x2, g, eps)
+        ctx.save_for_backward(x2, norm, g)
+        ctx.eps = eps
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, norm, g = ctx.saved_tensors
+        grad_x, grad_g = scale_norm_backward_kernel(rows(grad), x2, norm, g, ctx.eps)
+        grad_g = grad_g.to(g.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x.view(grad.shape), grad_g, None
+
+
+def scale_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """Fast path of :func:`scale_norm_reference` (same values and gradients, statistics in
+    float32 for fp16/bf16 input, output in the input dtype): fused kernels, see ``fused.py``."""
+    if needs_autograd(x, g):
+        return _ScaleNormFunction.apply(x, g, eps)
+    return scale_norm_forward_kernel(rows(x), g, eps)[0].view(x.shape)
+
+
 class ScaleNorm(nn.Module):
     """ScaleNorm(x) = g * x / max(||x||, eps): one learned scalar ``g`` per norm, g0 = sqrt(d).
 
     Statistics are computed in float32 whatever the input dtype (fp16/bf16 training).
+    ``forward`` runs the fused fast path :func:`scale_norm`.
     ``learnable=False`` freezes g (the paper's fixed-g rows of Table 7).
     """
 
@@ -27,7 +80,7 @@ class ScaleNorm(nn.Module):
         self.g = nn.Parameter(torch.tensor(math.sqrt(dim)), requires_grad=learnable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return scale_norm_reference(upcast(x), upcast(self.g), self.eps).to(x.dtype)
+        return scale_norm(x, self.g, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, learnable={self.g.requires_grad}"

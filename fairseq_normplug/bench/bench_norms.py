@@ -1,0 +1,244 @@
+"""Micro-benchmark of every norm the plugin offers against torch's fused ``layer_norm``.
+
+    python -m fairseq_normplug.bench.bench_norms [--shapes 64x64x512,128x32x1024,1x64x512]
+        [--reps 100] [--dtypes float32] [--device cpu|cuda] [--reference] [--eager]
+        [--out results/bench_norms.md]
+
+For each shape (time x batch x dim, as a Transformer layer sees it; ``1xBxD`` is one
+decoding step) and dtype it times, interleaved (every repetition runs every candidate once,
+in rotating order) and reports medians of:
+
+* ``fwd``: the forward alone, without autograd (inference, decoding);
+* ``fwd+bwd``: forward, then the gradients of input and parameters for a given output
+  gradient (training).
+
+Candidates: ``layernorm`` (``torch.nn.LayerNorm``, what fairseq's LayerNorm is on CPU: the
+baseline), the plugin's ``scalenorm``, ``rmsnorm``, ``dyt`` (tanh), ``dyt-hardtanh`` and
+``dyt-sigmoid`` as their modules run them (default fast path; the ``path`` column says
+which), with ``--reference`` the plain reference formulas (``*-ref``), with ``--eager`` the
+fast path with native kernels and compilation off (``*-eager``, what
+``NORMPLUG_NATIVE=0 NORMPLUG_COMPILE=0`` gives). Ratios ``/LN`` divide by layernorm's
+median of the same run. ``/floor`` divides by the memory-bandwidth floor, measured in the
+same run: for ``fwd`` a plain copy of the input (read x, write y: the least any norm must
+move), for ``fwd+bwd`` that copy plus ``x + dy`` into a new tensor (read x and dy, write
+dx). ``first call`` is the time of the very first forward+backward, compilation included.
+"""
+import argparse
+import itertools
+import os
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import nn
+
+from fairseq_normplug.bench.common import (
+    DEFAULT_RESULTS, load_average, load_warning, machine_line, markdown_table, median,
+    write_results,
+)
+from fairseq_normplug.modules import fused, native
+from fairseq_normplug.modules.dynamic_tanh import (
+    DynamicTanh, dynamic_tanh_forward_kernel, dynamic_tanh_reference,
+)
+from fairseq_normplug.modules.precision import upcast
+from fairseq_normplug.modules.rms_norm import RMSNorm, rms_norm_forward_kernel, rms_norm_reference
+from fairseq_normplug.modules.scale_norm import (
+    ScaleNorm, scale_norm_forward_kernel, scale_norm_reference,
+)
+
+DEFAULT_SHAPES = "64x64x512,128x32x1024,1x64x512"
+
+
+def _reference_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The module's formula written plainly (statistics in float32, as the module does)."""
+    if isinstance(module, ScaleNorm):
+        return lambda x: scale_norm_reference(upcast(x), upcast(module.g), module.eps).to(x.dtype)
+    if isinstance(module, RMSNorm):
+        return lambda x: rms_norm_reference(upcast(x), upcast(module.weight),
+                                            module.eps).to(x.dtype)
+    return lambda x: dynamic_tanh_reference(
+        upcast(x), upcast(module.alpha), upcast(module.weight), upcast(module.bias), module.squash
+    ).to(x.dtype)
+
+
+def candidates(dim: int, reference: bool, eager: bool) -> List[Tuple[str, nn.Module, Callable]]:
+    """(name, module, forward function) of every norm to time."""
+    plugin = [
+        ("scalenorm", ScaleNorm(dim)),
+        ("rmsnorm", RMSNorm(dim)),
+        ("dyt", DynamicTanh(dim)),
+        ("dyt-hardtanh", DynamicTanh(dim, squash="hardtanh")),
+        ("dyt-sigmoid", DynamicTanh(dim, squash="sigmoid")),
+    ]
+    layernorm = nn.LayerNorm(dim)
+    out = [("layernorm", layernorm, layernorm)]
+    out += [(name, module, module) for name, module in plugin]
+    if eager:
+        out += [(f"{name}-eager", module, _eager(module)) for name, module in plugin]
+    if reference:
+        out += [(f"{name}-ref", module, _reference_forward(module)) for name, module in plugin]
+    return out
+
+
+def _eager(module: nn.Module) -> Callable:
+    def forward(x):
+        with fused.disable("native", "compiled"):
+            return module(x)
+    return forward
+
+
+def _path(name: str, module: nn.Module, x: torch.Tensor) -> str:
+    if name == "layernorm":
+        return "aten"
+    if name.endswith("-ref"):
+        return "reference"
+    if name.endswith("-eager"):
+        return "eager"
+    kernel = {ScaleNorm: scale_norm_forward_kernel, RMSNorm: rms_norm_forward_kernel,
+              DynamicTanh: dynamic_tanh_forward_kernel}[type(module)]
+    return kernel.path(x.reshape(-1, x.shape[-1]))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_shape(shape, dtype, device, reps, reference, eager, seed=0) -> Dict:
+    """Medians (seconds) of every candidate and both floors for one shape and dtype."""
+    torch.manual_seed(seed)
+    dim = shape[-1]
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape, device=device, dtype=dtype)
+    xd = x.detach()
+    cands = []
+    for name, module, forward in candidates(dim, reference, eager):
+        module.to(device=device, dtype=dtype)
+        params = [p for p in module.parameters() if p.requires_grad]
+        cands.append((name, module, forward, params))
+
+    def timed(fn):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    jobs: Dict[Tuple[str, str], Callable] = {
+        ("floor", "fwd"): lambda: torch.empty_like(xd).copy_(xd),
+        ("floor", "fwd+bwd"): lambda: (torch.empty_like(xd).copy_(xd), torch.add(xd, grad)),
+    }
+    first_call = {}
+    for name, module, forward, params in cands:
+        def fwd(forward=forward):
+            with torch.no_grad():
+                forward(xd)
+
+        def fwd_bwd(forward=forward, params=params):
+            torch.autograd.grad(forward(x), [x] + params, grad)
+
+        first_call[name] = timed(fwd_bwd)
+        fwd()
+        jobs[(name, "fwd")] = fwd
+        jobs[(name, "fwd+bwd")] = fwd_bwd
+    times = {key: [] for key in jobs}
+    keys = list(jobs)
+    for rep in range(reps):
+        shift = rep % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            times[key].append(timed(jobs[key]))
+    medians = {f"{n}|{m}": median(v) for (n, m), v in times.items()}
+    return {
+        "shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "device": str(device),
+        "medians_s": medians, "first_call_s": first_call,
+        "paths": {name: _path(name, module, xd) for name, module, _, _ in cands},
+    }
+
+
+def table(result: Dict) -> str:
+    med = result["medians_s"]
+    rows = []
+    for name, path in result["paths"].items():
+        row = [name, path]
+        for mode in ("fwd", "fwd+bwd"):
+            t = med[f"{name}|{mode}"]
+            row += [f"{t * 1e3:.3f}", f"{t / med[f'layernorm|{mode}']:.2f}",
+                    f"{t / med[f'floor|{mode}']:.2f}"]
+        row.append(f"{result['first_call_s'][name]:.2f}")
+        rows.append(row)
+    rows.append(["(copy floor)", "-", f"{med['floor|fwd'] * 1e3:.3f}", "", "1.00",
+                 f"{med['floor|fwd+bwd'] * 1e3:.3f}", "", "1.00", ""])
+    shape = "x".join(map(str, result["shape"]))
+    header = ["norm", "path", "fwd ms", "fwd /LN", "fwd /floor", "fwd+bwd ms", "f+b /LN",
+              "f+b /floor", "first call s"]
+    return f"### {shape} {result['dtype']} on {result['device']}\n\n" + markdown_table(header, rows)
+
+
+def parse_shapes(text: str) -> List[Tuple[int, ...]]:
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES,
+                        help="comma-separated TxBxD shapes (default %(default)s)")
+    parser.add_argument("--reps", type=int, default=100, help="timed repetitions (median)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated; default float32 on CPU, "
+                             "float32,bfloat16,float16 on GPU")
+    parser.add_argument("--reference", action="store_true",
+                        help="also time the plain reference formulas (*-ref)")
+    parser.add_argument("--eager", action="store_true",
+                        help="also time the fast path with compilation disabled (*-eager)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's own choice; 1 gives steadier "
+                             "ratios when other processes share the CPUs)")
+    parser.add_argument("--out", default=os.path.join(DEFAULT_RESULTS, "bench_norms.md"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtypes = args.dtypes or ("float32" if device.type == "cpu" else "float32,bfloat16,float16")
+    load_before = load_average()
+    results = [
+        bench_shape(shape, getattr(torch, dtype), device, args.reps, args.reference, args.eager)
+        for shape, dtype in itertools.product(parse_shapes(args.shapes), dtypes.split(","))
+    ]
+    warning = load_warning(load_before, load_average())
+    head = [
+        "# Norm layers against torch's fused layer_norm",
+        "",
+        f"{machine_line()}; medians of {args.reps} interleaved repetitions; "
+        f"native kernels {'on' if fused.native_enabled() else 'off'} (NORMPLUG_NATIVE), "
+        f"compilation {'on' if fused.compile_enabled() else 'off'} "
+        f"(NORMPLUG_COMPILE); load average {load_before:.2f} at start.",
+        "",
+        "`/LN`: time divided by layernorm's in the same run (below 1 = faster). `/floor`: "
+        "time divided by a plain copy of the same bytes (fwd: copy x; fwd+bwd: copy x, "
+        "then x + dy; 1.00 = the memory-bandwidth limit). `path`: native (the plugin's C "
+        "kernels), compiled (torch.compile of the plugin's kernels), eager (the same, op by "
+        "op), aten (torch's own kernel) or reference (plain formula). See docs/speed.md.",
+    ]
+    unavailable = ([f"native kernels ({native.failure()})"] if native.failure() else []) + [
+        f"torch.compile of {name}" for name in fused.failed_kernels()]
+    if unavailable:
+        head += ["", "NOTE: unavailable here, replaced by the next path: "
+                     f"{'; '.join(unavailable)}."]
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        head += ["", "NOTE: glibc may return freed memory to the kernel between calls; the "
+                     "page faults that follow add noise. scripts/bench_norms.sh sets "
+                     "MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ to prevent it."]
+    if warning:
+        head += ["", warning]
+    text = "\n".join(head) + "\n\n" + "\n\n".join(table(r) for r in results) + "\n"
+    write_results(args.out, text, {"machine": machine_line(), "reps": args.reps,
+                                   "load_average": [load_before, load_average()],
+                                   "results": results})
+    print(text)
+    print(f"written to {args.out}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

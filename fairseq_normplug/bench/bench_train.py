@@ -1,0 +1,207 @@
+"""End-to-end training throughput of ``fairseq-train``: stock ``transformer`` against the
+plugin with its flags off and with each norm variant.
+
+    python -m fairseq_normplug.bench.bench_train [--variants stock,off,scalenorm,rmsnorm,dyt]
+        [--reps 3] [--max-update 120] [--skip-updates 20] [--train-pairs 20000]
+        [--max-tokens 1024] [--out results/bench_train.md]
+
+Every variant trains the same model size (the ``transformer_normplug_cpu`` preset: d=256,
+FFN 1024, 4 heads, 3+3 layers, tied target embeddings; stock ``transformer`` gets the same
+sizes as flags) on the same binarized synthetic corpus with the same seed, optimizer and
+batch size. The runs alternate (rep 1: every variant once, in rotating order; rep 2: ...),
+so slow phases of a shared machine hit all variants alike.
+
+Throughput is target tokens per second over the steady state: the sum of fairseq's
+``train_inner`` words (``wpb`` x updates) over the sum of their times, after the first
+``--skip-updates`` updates (start-up and kernel compilation; reported separately as
+``start s``: process start to the first logged update). ``peak RSS`` is the process's
+maximum resident memory (CPU memory; on a GPU the device memory is not covered). Ratios
+divide by stock's figure of the same repetition, then take the median over repetitions.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+from fairseq_normplug.bench.common import (
+    DEFAULT_RESULTS, load_average, load_warning, machine_line, markdown_table, median,
+    write_results,
+)
+from fairseq_normplug.cli import user_dir
+
+SIZE_FLAGS = [
+    "--encoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
+    "--encoder-attention-heads", "4", "--encoder-layers", "3",
+    "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "1024",
+    "--decoder-attention-heads", "4", "--decoder-layers", "3",
+    "--share-decoder-input-output-embed",
+]
+PLUGIN = ["--arch", "transformer_normplug_cpu", "--user-dir", user_dir()]
+VARIANTS = {
+    "stock": ["--arch", "transformer", *SIZE_FLAGS],
+    "off": PLUGIN,
+    "scalenorm": PLUGIN + ["--norm-type", "scalenorm"],
+    "rmsnorm": PLUGIN + ["--norm-type", "rmsnorm"],
+    "dyt": PLUGIN + ["--norm-type", "dyt"],
+    "prenorm": PLUGIN + ["--prenorm"],
+    "prenorm-scalenorm": PLUGIN + ["--prenorm", "--norm-type", "scalenorm"],
+    "prenorm-rmsnorm": PLUGIN + ["--prenorm", "--norm-type", "rmsnorm"],
+    "prenorm-dyt": PLUGIN + ["--prenorm", "--norm-type", "dyt"],
+}
+DEFAULT_VARIANTS = "stock,off,scalenorm,rmsnorm,dyt"
+
+
+def _bin(name: str) -> str:
+    return os.path.join(os.path.dirname(sys.executable), name)
+
+
+def prepare_data(workdir: str, pairs: int) -> str:
+    """Synthetic corpus of ``pairs`` training pairs, binarized with a joined dictionary
+    (kept in ``workdir`` and reused by later runs)."""
+    from fairseq_normplug.synthetic_corpus import write_corpus
+
+    dest = os.path.join(workdir, f"data-bin-{pairs}")
+    if os.path.exists(os.path.join(dest, "train.src-tgt.src.bin")):
+        return dest
+    raw = write_corpus(os.path.join(workdir, f"raw-{pairs}"), train=pairs, valid=100, test=100)
+    subprocess.run([
+        _bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+        "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref",
+        f"{raw}/test", "--destdir", dest, "--joined-dictionary", "--workers", "1",
+    ], check=True, capture_output=True)
+    return dest
+
+
+def train_command(data: str, variant: str, args) -> List[str]:
+    device = ["--cpu"] if args.device == "cpu" else []
+    return [
+        _bin("fairseq-train"), data, *VARIANTS[variant], *device,
+        "--task", "translation", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+        "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--clip-norm", "1.0", "--max-tokens", str(args.max_tokens), "--seed", "1",
+        "--max-update", str(args.max_update), "--log-format", "json", "--log-interval",
+        str(args.log_interval), "--disable-validation", "--no-save", "--num-workers", "0",
+    ]
+
+
+def run_once(cmd: List[str], skip_updates: int, threads: int = 0) -> Dict:
+    """Run one training; parse its json log. Returns tokens/s, peak RSS, start-up time and
+    the share of its CPUs the process got (well below 1: other processes competed)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    start = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    words = seconds = 0.0
+    first_log = None
+    last_update = 0
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "| train_inner |" not in line and '"train_inner"' not in line:
+            continue
+        record = json.loads(line[line.index("{"):])
+        update = int(record["num_updates"])
+        if first_log is None:
+            first_log = time.time() - start
+        if last_update >= skip_updates:
+            ups = update - last_update
+            words += float(record["wpb"]) * ups
+            seconds += float(record["wpb"]) * ups / float(record["wps"])
+        last_update = update
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0 or seconds == 0:
+        raise RuntimeError(f"training failed or logged nothing past update {skip_updates}: "
+                           f"{' '.join(cmd)}\n{''.join(lines[-30:])}")
+    total = time.time() - start
+    cpus = threads or torch.get_num_threads()
+    return {"wps": words / seconds, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "start_s": first_log, "total_s": total, "updates": last_update,
+            "cpu_share": (usage.ru_utime + usage.ru_stime) / (total * cpus)}
+
+
+def main(argv=None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS,
+                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--reps", type=int, default=3, help="alternating repetitions")
+    parser.add_argument("--max-update", type=int, default=120)
+    parser.add_argument("--skip-updates", type=int, default=20,
+                        help="updates left out of the throughput (start-up, compilation)")
+    parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--train-pairs", type=int, default=20000)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="OMP_NUM_THREADS of the training processes (default: torch's "
+                             "choice; 1 is steadier when other processes share the CPUs)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workdir", default=os.path.join(
+        os.path.dirname(DEFAULT_RESULTS), "runs", "bench_train"),
+        help="where the synthetic corpus is kept")
+    parser.add_argument("--out", default=os.path.join(DEFAULT_RESULTS, "bench_train.md"))
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or "stock" not in variants:
+        parser.error(f"unknown variants {unknown}" if unknown else "variants must include stock")
+    data = prepare_data(args.workdir, args.train_pairs)
+    load_before = load_average()
+    runs: Dict[str, List[Dict]] = {v: [] for v in variants}
+    for rep in range(args.reps):
+        order = variants[rep % len(variants):] + variants[:rep % len(variants)]
+        for variant in order:
+            result = run_once(train_command(data, variant, args), args.skip_updates,
+                              args.threads)
+            runs[variant].append(result)
+            print(f"rep {rep + 1} {variant}: {result['wps']:.0f} tok/s, "
+                  f"peak RSS {result['peak_rss_mb']:.0f} MB, start {result['start_s']:.1f} s, "
+                  f"CPU share {result['cpu_share']:.2f}", flush=True)
+    warning = load_warning(load_before, load_average())
+    rows = []
+    for variant in variants:
+        wps = [r["wps"] for r in runs[variant]]
+        ratio = [r["wps"] / s["wps"] for r, s in zip(runs[variant], runs["stock"])]
+        rss = [r["peak_rss_mb"] / s["peak_rss_mb"] for r, s in zip(runs[variant], runs["stock"])]
+        rows.append([
+            variant, f"{median(wps):.0f}", " ".join(f"{w:.0f}" for w in wps),
+            f"{median(ratio):.3f}", f"{median([r['peak_rss_mb'] for r in runs[variant]]):.0f}",
+            f"{median(rss):.3f}", f"{median([r['start_s'] for r in runs[variant]]):.1f}",
+            f"{min(r['cpu_share'] for r in runs[variant]):.2f}",
+        ])
+    header = ["variant", "tok/s (median)", "tok/s per rep", "vs stock", "peak RSS MB",
+              "RSS vs stock", "start s", "min CPU share"]
+    head = [
+        "# Training throughput: stock transformer vs the plugin",
+        "",
+        f"{machine_line()}; {args.reps} alternating repetitions of {args.max_update} updates "
+        f"(--max-tokens {args.max_tokens}, d=256 3+3 layers, synthetic corpus of "
+        f"{args.train_pairs} pairs), throughput over updates {args.skip_updates + 1}-"
+        f"{args.max_update}, {args.threads or torch.get_num_threads()} threads per run; "
+        f"load average {load_before:.2f} at start.",
+        "",
+        "`tok/s`: target tokens per second, steady state. `vs stock`: median over repetitions "
+        "of the ratio to stock's run of the same repetition (above 1 = faster). `start s`: "
+        "process start to the first logged update (imports, data loading, kernel "
+        "compilation). `peak RSS`: maximum resident memory of the process. `min CPU share`: the "
+        "lowest, over repetitions, CPU time / (wall time x threads) of a run; well below 1 "
+        "means other processes took CPU time from it. See docs/speed.md.",
+    ]
+    if warning:
+        head += ["", warning]
+    text = "\n".join(head) + "\n\n" + markdown_table(header, rows) + "\n"
+    write_results(args.out, text, {"machine": machine_line(), "args": vars(args), "runs": runs,
+                                   "load_average": [load_before, load_average()]})
+    print(text)
+    print(f"written to {args.out}")
+    return text
+
+
+if __name__ == "__main__":
+    main()

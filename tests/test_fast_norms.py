@@ -1,0 +1,257 @@
+"""The fast paths of ScaleNorm, RMSNorm and DyT (fused kernels, compiled or eager) against
+their reference formulas: values and gradients to 1e-5 relative in float32, gradcheck in
+float64, fallbacks, and smoke runs of the benchmarks. No timing assertions."""
+import json
+import math
+
+import pytest
+import torch
+
+from fairseq_normplug.modules import fused, native
+from fairseq_normplug.modules.fused import rows
+from fairseq_normplug.modules.precision import upcast
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh, dynamic_tanh_reference
+from fairseq_normplug.modules.rms_norm import RMSNorm, rms_norm_reference
+from fairseq_normplug.modules.scale_norm import (
+    ScaleNorm, scale_norm_forward_kernel, scale_norm_reference,
+)
+
+D = 128
+#: (time, batch, dim): 131,072 elements (compiled path), a decoding step (eager path)
+TRAIN_SHAPE, DECODE_SHAPE = (64, 16, D), (1, 8, D)
+
+MODULES = {
+    "scalenorm": lambda: ScaleNorm(D),
+    "scalenorm-fixed-g": lambda: ScaleNorm(D, learnable=False),
+    "rmsnorm": lambda: RMSNorm(D),
+    "dyt": lambda: DynamicTanh(D),
+    "dyt-fixed-alpha": lambda: DynamicTanh(D, learnable_alpha=False),
+    "dyt-hardtanh": lambda: DynamicTanh(D, squash="hardtanh"),
+    "dyt-sigmoid": lambda: DynamicTanh(D, squash="sigmoid"),
+}
+
+
+def reference(module, x):
+    """The module's formula, written plainly, in float32 for fp16/bf16 input."""
+    if isinstance(module, ScaleNorm):
+        out = scale_norm_reference(upcast(x), upcast(module.g), module.eps)
+    elif isinstance(module, RMSNorm):
+        out = rms_norm_reference(upcast(x), upcast(module.weight), module.eps)
+    else:
+        out = dynamic_tanh_reference(upcast(x), upcast(module.alpha), upcast(module.weight),
+                                     upcast(module.bias), module.squash)
+    return out.to(x.dtype)
+
+
+def randomized(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(torch.rand(p.shape, generator=g) + 0.5)
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return module
+
+
+def values_and_grads(fn, module, x, grad):
+    x = x.detach().requires_grad_(True)
+    params = [p for p in module.parameters() if p.requires_grad]
+    out = fn(x)
+    return [out.detach()] + list(torch.autograd.grad(out, [x] + params, grad))
+
+
+def assert_rel_close(actual, expected, rel=1e-5):
+    """Equal to ``rel`` relative to the tensor's scale (elementwise rtol plus an atol of
+    ``rel`` times the largest magnitude: float32 rounding differs between formulas)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * scale)
+
+
+def make_input(shape, contiguous=True, seed=1, tiny_rows=True):
+    g = torch.Generator().manual_seed(seed)
+    if contiguous:
+        x = 3 * torch.randn(shape, generator=g)
+    else:  # the same shape as a transposed view of a (batch, time, dim) tensor
+        x = 3 * torch.randn(shape[1], shape[0], shape[2], generator=g).transpose(0, 1)
+    if tiny_rows:
+        x[0, 0] = 0.0  # an all-zero row: ScaleNorm's eps clamp, RMSNorm's eps
+        if shape[0] > 1:
+            x[1, 0] = 1e-7  # a row with norm below eps
+    return x
+
+
+PATH_SWITCHES = {"native": (), "compiled": ("native",), "eager": ("native", "compiled")}
+
+
+@pytest.fixture(params=list(PATH_SWITCHES))
+def path(request):
+    """Run the test on each path: native C kernels (the CPU float32 default), torch.compile
+    (native off) and eager (both off)."""
+    with fused.disable(*PATH_SWITCHES[request.param]):
+        yield request.param
+
+
+def expected_path(path, x):
+    """Where a call with ``x`` lands when ``path`` is the best path left on."""
+    if path == "native" and x.dtype == torch.float32:
+        return "native"
+    if path in ("native", "compiled") and x.numel() >= fused.DEFAULT_MIN_NUMEL:
+        return "compiled"
+    return "eager"
+
+
+@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("shape,contiguous", [(TRAIN_SHAPE, True), (TRAIN_SHAPE, False),
+                                              (DECODE_SHAPE, True)],
+                         ids=["train", "train-noncontiguous", "decode-step"])
+def test_fast_path_matches_reference_float32(name, shape, contiguous, path):
+    module = randomized(MODULES[name]())
+    x = make_input(shape, contiguous)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    fast = values_and_grads(module, module, x, grad)
+    ref = values_and_grads(lambda t: reference(module, t), module, x, grad)
+    for a, b in zip(fast, ref):
+        assert_rel_close(a, b)
+    assert scale_norm_forward_kernel.path(rows(x)) == expected_path(path, x)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_inference_without_autograd(name, path):
+    module = randomized(MODULES[name]())
+    x = make_input(TRAIN_SHAPE)
+    with torch.no_grad():
+        out = module(x)
+    assert not out.requires_grad
+    assert_rel_close(out, reference(module, x).detach())
+
+
+@pytest.mark.parametrize("name", MODULES)
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "noncontiguous"])
+def test_gradcheck_float64(name, contiguous):
+    module = randomized(MODULES[name]()).double()
+    x = make_input((3, 2, D), contiguous).double().requires_grad_(True)
+    params = [p for p in module.parameters() if p.requires_grad]
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
+
+    def fn(inp, *ps):
+        return torch.func.functional_call(module, dict(zip(names, ps)), (inp,))
+
+    assert torch.autograd.gradcheck(fn, (x, *[p.detach().requires_grad_(True) for p in params]),
+                                    eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["scalenorm", "rmsnorm", "dyt"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_output_dtype_and_values(name, dtype, path):
+    module = randomized(MODULES[name]())
+    # fp16 sums of squares would overflow; no tiny rows (their gradient g/eps overflows fp16)
+    x = (make_input(TRAIN_SHAPE, tiny_rows=False) * 100).to(dtype)
+    grad = torch.randn(TRAIN_SHAPE).to(dtype)
+    fast = values_and_grads(module, module, x, grad)
+    ref = values_and_grads(lambda t: reference(module, t), module, x, grad)
+    assert fast[0].dtype == dtype and fast[1].dtype == dtype
+    assert scale_norm_forward_kernel.path(rows(x)) == expected_path(path, x)
+    for a, b in zip(fast, ref):
+        assert torch.isfinite(a.float()).all()
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2,
+                                   atol=2e-2 * b.abs().max().item())
+
+
+def test_frozen_parameters_get_no_gradient():
+    for module in (ScaleNorm(D, learnable=False), DynamicTanh(D, learnable_alpha=False)):
+        x = make_input(TRAIN_SHAPE).requires_grad_(True)
+        module(x).sum().backward()
+        frozen = module.g if isinstance(module, ScaleNorm) else module.alpha
+        assert frozen.grad is None and x.grad is not None
+
+
+def test_variable_rows_do_not_recompile():
+    """The row dimension is dynamic: new batch shapes reuse the compiled kernels."""
+    module = DynamicTanh(D)
+    with fused.disable("native"):
+        module(make_input((64, 8, D)).requires_grad_(True)).sum().backward()
+    with fused.disable("native"), torch._dynamo.config.patch(error_on_recompile=True):
+        for shape in [(40, 12, D), (33, 7, D)]:
+            module(make_input(shape).requires_grad_(True)).sum().backward()
+    assert not fused.failed_kernels()  # a recompile would have raised and been caught
+
+
+def test_rational_tanh_accuracy():
+    x = torch.cat([torch.linspace(-20, 20, 400001), torch.logspace(-30, 1, 20001)])
+    x = torch.cat([x, -x])
+    exact = torch.tanh(x.double())
+    err = (fused.rational_tanh(x).double() - exact).abs() / exact.abs().clamp(min=1e-300)
+    assert err.max() < 1e-6
+
+
+def test_paths_disabled_by_environment(monkeypatch):
+    x = make_input(TRAIN_SHAPE)
+    module = randomized(DynamicTanh(D))
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert scale_norm_forward_kernel.path(rows(x)) == "compiled"
+    monkeypatch.setenv(fused.COMPILE_ENV, "0")
+    assert scale_norm_forward_kernel.path(rows(x)) == "eager"
+    assert_rel_close(module(x).detach(), reference(module, x).detach())
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    kernel = fused.Kernel(lambda x, w: x * w)
+    try:
+        x, w = make_input(TRAIN_SHAPE).reshape(-1, D), torch.rand(D)
+        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
+            out = kernel(x, w)
+        torch.testing.assert_close(out, x * w)
+        assert kernel.path(x) == "eager"  # for good, no second warning
+    finally:
+        fused.Kernel.instances.remove(kernel)
+
+
+def test_native_build_failure_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
+    x = make_input(TRAIN_SHAPE)
+    with pytest.warns(RuntimeWarning, match="native CPU norm kernels unavailable"):
+        assert scale_norm_forward_kernel.path(rows(x)) == "compiled"
+    module = randomized(RMSNorm(D))
+    assert_rel_close(module(x).detach(), reference(module, x).detach())
+
+
+def test_bench_norms_smoke(tmp_path):
+    from fairseq_normplug.bench import bench_norms
+
+    out = tmp_path / "bench_norms.md"
+    text = bench_norms.main(["--shapes", "2x3x16,1x2x16", "--reps", "2", "--reference",
+                             "--eager", "--out", str(out)])
+    assert out.read_text() == text
+    for name in ["layernorm", "scalenorm", "rmsnorm", "dyt", "dyt-hardtanh", "dyt-sigmoid",
+                 "scalenorm-ref", "dyt-eager", "(copy floor)"]:
+        assert f"| {name} " in text
+    assert "### 2x3x16 float32" in text and "### 1x2x16 float32" in text
+    data = json.loads((tmp_path / "bench_norms.json").read_text())
+    medians = data["results"][0]["medians_s"]
+    assert all(math.isfinite(v) and v > 0 for v in medians.values())
+    assert {"layernorm|fwd", "layernorm|fwd+bwd", "floor|fwd", "floor|fwd+bwd"} <= set(medians)
+
+
+def test_bench_train_smoke(tmp_path):
+    from fairseq_normplug.bench import bench_train
+
+    out = tmp_path / "bench_train.md"
+    text = bench_train.main([
+        "--variants", "stock,off,scalenorm", "--reps", "1", "--max-update", "4",
+        "--skip-updates", "1", "--log-interval", "1", "--train-pairs", "300",
+        "--max-tokens", "512", "--workdir", str(tmp_path / "work"), "--out", str(out),
+    ])
+    assert out.read_text() == text
+    for variant in ["stock", "off", "scalenorm"]:
+        assert f"| {variant} " in text
+    runs = json.loads((tmp_path / "bench_train.json").read_text())["runs"]
+    assert runs["stock"][0]["wps"] > 0 and runs["scalenorm"][0]["peak_rss_mb"] > 0
