@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from fairseq_normplug.bench.common import (
-    DEFAULT_RESULTS, load_average, load_warning, machine_line, markdown_table, median,
-    write_results,
+    DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
+    median, write_results,
 )
 from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.dynamic_tanh import (
@@ -201,18 +201,21 @@ def main(argv=None) -> str:
     device = torch.device(args.device)
     dtypes = args.dtypes or ("float32" if device.type == "cpu" else "float32,bfloat16,float16")
     load_before = load_average()
+    others = OtherProcesses()
     results = [
         bench_shape(shape, getattr(torch, dtype), device, args.reps, args.reference, args.eager)
         for shape, dtype in itertools.product(parse_shapes(args.shapes), dtypes.split(","))
     ]
-    warning = load_warning(load_before, load_average())
+    other_share = others.share()
+    warning = load_warning(other_share)
     head = [
         "# Norm layers against torch's fused layer_norm",
         "",
         f"{machine_line()}; medians of {args.reps} interleaved repetitions; "
         f"native kernels {'on' if fused.native_enabled() else 'off'} (NORMPLUG_NATIVE), "
         f"compilation {'on' if fused.compile_enabled() else 'off'} "
-        f"(NORMPLUG_COMPILE); load average {load_before:.2f} at start.",
+        f"(NORMPLUG_COMPILE); load average {load_before:.2f} at start; other processes "
+        f"used {100 * (other_share or 0):.0f}% of the CPUs during the run.",
         "",
         "`/LN`: time divided by layernorm's in the same run (below 1 = faster). `/floor`: "
         "time divided by a plain copy of the same bytes (fwd: copy x; fwd+bwd: copy x, "
@@ -234,6 +237,7 @@ def main(argv=None) -> str:
     text = "\n".join(head) + "\n\n" + "\n\n".join(table(r) for r in results) + "\n"
     write_results(args.out, text, {"machine": machine_line(), "reps": args.reps,
                                    "load_average": [load_before, load_average()],
+                                   "other_cpu_share": other_share,
                                    "results": results})
     print(text)
     print(f"written to {args.out}")

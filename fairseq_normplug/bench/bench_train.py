@@ -29,8 +29,8 @@ from typing import Dict, List
 import torch
 
 from fairseq_normplug.bench.common import (
-    DEFAULT_RESULTS, load_average, load_warning, machine_line, markdown_table, median,
-    write_results,
+    DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
+    median, write_results,
 )
 from fairseq_normplug.cli import user_dir
 
@@ -153,6 +153,7 @@ def main(argv=None) -> str:
         parser.error(f"unknown variants {unknown}" if unknown else "variants must include stock")
     data = prepare_data(args.workdir, args.train_pairs)
     load_before = load_average()
+    others = OtherProcesses()
     runs: Dict[str, List[Dict]] = {v: [] for v in variants}
     for rep in range(args.reps):
         order = variants[rep % len(variants):] + variants[:rep % len(variants)]
@@ -163,7 +164,8 @@ def main(argv=None) -> str:
             print(f"rep {rep + 1} {variant}: {result['wps']:.0f} tok/s, "
                   f"peak RSS {result['peak_rss_mb']:.0f} MB, start {result['start_s']:.1f} s, "
                   f"CPU share {result['cpu_share']:.2f}", flush=True)
-    warning = load_warning(load_before, load_average())
+    other_share = others.share()
+    warning = load_warning(other_share)
     rows = []
     for variant in variants:
         wps = [r["wps"] for r in runs[variant]]
@@ -184,7 +186,8 @@ def main(argv=None) -> str:
         f"(--max-tokens {args.max_tokens}, d=256 3+3 layers, synthetic corpus of "
         f"{args.train_pairs} pairs), throughput over updates {args.skip_updates + 1}-"
         f"{args.max_update}, {args.threads or torch.get_num_threads()} threads per run; "
-        f"load average {load_before:.2f} at start.",
+        f"load average {load_before:.2f} at start; other processes used "
+        f"{100 * (other_share or 0):.0f}% of the CPUs during the run.",
         "",
         "`tok/s`: target tokens per second, steady state. `vs stock`: median over repetitions "
         "of the ratio to stock's run of the same repetition (above 1 = faster). `start s`: "
@@ -197,7 +200,8 @@ def main(argv=None) -> str:
         head += ["", warning]
     text = "\n".join(head) + "\n\n" + markdown_table(header, rows) + "\n"
     write_results(args.out, text, {"machine": machine_line(), "args": vars(args), "runs": runs,
-                                   "load_average": [load_before, load_average()]})
+                                   "load_average": [load_before, load_average()],
+                                   "other_cpu_share": other_share})
     print(text)
     print(f"written to {args.out}")
     return text

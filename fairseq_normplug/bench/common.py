@@ -2,7 +2,9 @@
 import json
 import os
 import platform
+import resource
 import statistics
+import time
 from typing import Dict, List, Sequence
 
 import torch
@@ -32,12 +34,40 @@ def machine_line() -> str:
             f"({torch.get_num_threads()} threads){gpu}, python {platform.python_version()}")
 
 
-def load_warning(before: float, after: float, cpus: int = os.cpu_count() or 1) -> str:
-    """A warning line when other work competed for the CPUs during the run."""
-    if max(before, after) > 0.5 * cpus:
-        return (f"WARNING: load average {before:.2f} -> {after:.2f} on {cpus} CPUs: other "
-                f"processes were running; absolute times are inflated and ratios noisier. "
-                f"Re-run on a quiet machine before quoting numbers.")
+class OtherProcesses:
+    """Measures how much CPU time processes other than this one (and its children) used
+    since construction, as a share of all CPUs; None where /proc/stat is missing."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        own = sum(getattr(resource.getrusage(who), attr)
+                  for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                  for attr in ("ru_utime", "ru_stime"))
+        return busy, own, time.time()
+
+    def share(self):
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self.start, end))
+        return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1)))
+
+
+def load_warning(other_share) -> str:
+    """A warning line when other processes used more than 10% of the CPUs during the run."""
+    if other_share is not None and other_share > 0.1:
+        return (f"WARNING: other processes used {100 * other_share:.0f}% of the CPUs during "
+                f"this run; absolute times are inflated and ratios noisier. Re-run on a quiet "
+                f"machine before quoting numbers.")
     return ""
 
 
