@@ -15,6 +15,8 @@ setup(
     python_requires=">=3.8",
     packages=find_packages(include=["fairseq_normplug", "fairseq_normplug.*"]),
     include_package_data=True,
+    # the C++ source of the native CPU norm operators, compiled on first use
+    package_data={"fairseq_normplug.modules": ["csrc/*.cpp"]},
     install_requires=[
         # torch is deliberately unpinned here: scripts/setup_env.sh installs the CPU
         # build torch==2.13.0 first (or $NORMPLUG_TORCH_SPEC) so this never pulls CUDA.

@@ -3,18 +3,18 @@ their reference formulas: values and gradients to 1e-5 relative in float32, grad
 float64, fallbacks, and smoke runs of the benchmarks. No timing assertions."""
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from fairseq_normplug.modules import fused, native
-from fairseq_normplug.modules.fused import rows
 from fairseq_normplug.modules.precision import upcast
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh, dynamic_tanh_reference
 from fairseq_normplug.modules.rms_norm import RMSNorm, rms_norm_reference
-from fairseq_normplug.modules.scale_norm import (
-    ScaleNorm, scale_norm_forward_kernel, scale_norm_reference,
-)
+from fairseq_normplug.modules.scale_norm import ScaleNorm, scale_norm_reference
 
 D = 128
 #: (time, batch, dim): 131,072 elements (compiled path), a decoding step (eager path)
@@ -85,7 +85,7 @@ PATH_SWITCHES = {"native": (), "compiled": ("native",), "eager": ("native", "com
 
 @pytest.fixture(params=list(PATH_SWITCHES))
 def path(request):
-    """Run the test on each path: native C kernels (the CPU float32 default), torch.compile
+    """Run the test on each path: native C++ operators (the CPU float32 default), torch.compile
     (native off) and eager (both off)."""
     with fused.disable(*PATH_SWITCHES[request.param]):
         yield request.param
@@ -112,7 +112,7 @@ def test_fast_path_matches_reference_float32(name, shape, contiguous, path):
     ref = values_and_grads(lambda t: reference(module, t), module, x, grad)
     for a, b in zip(fast, ref):
         assert_rel_close(a, b)
-    assert scale_norm_forward_kernel.path(rows(x)) == expected_path(path, x)
+    assert module.fast_path(x) == expected_path(path, x)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -150,7 +150,7 @@ def test_low_precision_output_dtype_and_values(name, dtype, path):
     fast = values_and_grads(module, module, x, grad)
     ref = values_and_grads(lambda t: reference(module, t), module, x, grad)
     assert fast[0].dtype == dtype and fast[1].dtype == dtype
-    assert scale_norm_forward_kernel.path(rows(x)) == expected_path(path, x)
+    assert module.fast_path(x) == expected_path(path, x)
     for a, b in zip(fast, ref):
         assert torch.isfinite(a.float()).all()
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2,
@@ -184,14 +184,25 @@ def test_rational_tanh_accuracy():
     assert err.max() < 1e-6
 
 
-def test_paths_disabled_by_environment(monkeypatch):
-    x = make_input(TRAIN_SHAPE)
-    module = randomized(DynamicTanh(D))
-    monkeypatch.setenv(native.NATIVE_ENV, "0")
-    assert scale_norm_forward_kernel.path(rows(x)) == "compiled"
-    monkeypatch.setenv(fused.COMPILE_ENV, "0")
-    assert scale_norm_forward_kernel.path(rows(x)) == "eager"
-    assert_rel_close(module(x).detach(), reference(module, x).detach())
+PATH_PROBE = """
+import torch
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh, dynamic_tanh_reference
+module, x = DynamicTanh(128), torch.randn(64, 16, 128)
+error = (module(x) - dynamic_tanh_reference(x, module.alpha, module.weight, module.bias)).abs()
+print(module.fast_path(x), float(error.max()))
+"""
+
+
+@pytest.mark.parametrize("env,expected", [({}, "native"), ({"NORMPLUG_NATIVE": "0"}, "compiled"),
+                                          ({"NORMPLUG_NATIVE": "off", "NORMPLUG_COMPILE": "0"},
+                                           "eager")])
+def test_paths_disabled_by_environment(env, expected):
+    """The environment switches paths off for a whole process (read once, at first use)."""
+    proc = subprocess.run([sys.executable, "-c", PATH_PROBE], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    path_taken, error = proc.stdout.split()
+    assert path_taken == expected and float(error) < 1e-5
 
 
 def test_compile_failure_falls_back_to_eager(monkeypatch):
@@ -213,14 +224,14 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
 
 
 def test_native_build_failure_falls_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_ops", None)
     monkeypatch.setattr(native, "_failure", None)
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "cache"))
     x = make_input(TRAIN_SHAPE)
-    with pytest.warns(RuntimeWarning, match="native CPU norm kernels unavailable"):
-        assert scale_norm_forward_kernel.path(rows(x)) == "compiled"
     module = randomized(RMSNorm(D))
+    with pytest.warns(RuntimeWarning, match="native CPU norm kernels unavailable.*no-such"):
+        assert module.fast_path(x) == "compiled"
     assert_rel_close(module(x).detach(), reference(module, x).detach())
 
 
@@ -229,7 +240,7 @@ def test_bench_norms_smoke(tmp_path):
 
     out = tmp_path / "bench_norms.md"
     text = bench_norms.main(["--shapes", "2x3x16,1x2x16", "--reps", "2", "--reference",
-                             "--eager", "--out", str(out)])
+                             "--eager", "--rounds", "2", "--out", str(out)])
     assert out.read_text() == text
     for name in ["layernorm", "scalenorm", "rmsnorm", "dyt", "dyt-hardtanh", "dyt-sigmoid",
                  "scalenorm-ref", "dyt-eager", "(copy floor)"]:
@@ -239,6 +250,20 @@ def test_bench_norms_smoke(tmp_path):
     medians = data["results"][0]["medians_s"]
     assert all(math.isfinite(v) and v > 0 for v in medians.values())
     assert {"layernorm|fwd", "layernorm|fwd+bwd", "floor|fwd", "floor|fwd+bwd"} <= set(medians)
+    # two fresh processes: median ratios, with each ratio's range over the rounds around it
+    assert data["rounds"] == 2 and "| f+b /LN range |" in text
+    for result in data["results"]:
+        assert result["ratios"]["layernorm|fwd+bwd|LN"] == 1.0
+        for key, (low, high) in result["ratio_ranges"].items():
+            assert low <= result["ratios"][key] <= high
+
+
+def test_bench_norms_bad_rounds():
+    from fairseq_normplug.bench import bench_norms
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_norms.main(["--rounds", "0"])
+    assert exit_info.value.code == 2
 
 
 def test_bench_train_smoke(tmp_path):

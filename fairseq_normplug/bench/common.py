@@ -83,9 +83,12 @@ def markdown_table(header: List[str], rows: List[List[str]]) -> str:
 
 
 def write_results(out: str, text: str, data: Dict) -> None:
-    """Write ``text`` (markdown) to ``out`` and ``data`` as JSON beside it (``.json``)."""
+    """Write ``text`` (markdown) to ``out`` and ``data`` as JSON beside it (``.json``), each
+    to a temporary name first, then renamed: never a half-written table."""
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(text)
-    with open(os.path.splitext(out)[0] + ".json", "w") as f:
-        json.dump(data, f, indent=1)
+    for path, content in ((out, text), (os.path.splitext(out)[0] + ".json",
+                                        json.dumps(data, indent=1))):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(content)
+        os.replace(tmp, path)

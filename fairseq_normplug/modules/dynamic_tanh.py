@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.modules import fused, native
-from fairseq_normplug.modules.fused import Kernel, compute_dtype, needs_autograd, rows
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
 
 SQUASH_FUNCTIONS = {
     "tanh": torch.tanh,
@@ -51,9 +51,8 @@ def _dynamic_tanh_backward(grad: torch.Tensor, x: torch.Tensor, alpha: torch.Ten
     return (e * a).to(grad.dtype), (e * xf).sum(), (gf * t).sum(0), gf.sum(0)
 
 
-dynamic_tanh_forward_kernel = Kernel(_dynamic_tanh_forward, native.dynamic_tanh_forward)
-dynamic_tanh_backward_kernel = Kernel(_dynamic_tanh_backward,
-                                     native.dynamic_tanh_backward)
+dynamic_tanh_forward_kernel = Kernel(_dynamic_tanh_forward)
+dynamic_tanh_backward_kernel = Kernel(_dynamic_tanh_backward)
 
 
 class _DynamicTanhFunction(torch.autograd.Function):
@@ -84,8 +83,12 @@ class _DynamicTanhFunction(torch.autograd.Function):
 def dynamic_tanh(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor, squash: str = "tanh") -> torch.Tensor:
     """Fast path of :func:`dynamic_tanh_reference` (same values and gradients, computed in
-    float32 for fp16/bf16 input, output in the input dtype): one fused elementwise kernel
-    each way, with a rational tanh when compiled on CPU; see ``fused.py``."""
+    float32 for fp16/bf16 input, output in the input dtype): the native C++ operator, or one
+    fused elementwise kernel each way, with a rational tanh when compiled on CPU; see
+    ``fused.py``."""
+    ops = native_ops(x, weight)
+    if ops is not None:
+        return ops.dynamic_tanh(x, alpha, weight, bias, native.SQUASH_CODES[squash])
     if needs_autograd(x, alpha, weight, bias):
         return _DynamicTanhFunction.apply(x, alpha, weight, bias, squash)
     return dynamic_tanh_forward_kernel(
@@ -124,6 +127,10 @@ class DynamicTanh(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dynamic_tanh(x, self.alpha, self.weight, self.bias, self.squash)
+
+    def fast_path(self, x: torch.Tensor) -> str:
+        """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""
+        return fused.path(dynamic_tanh_forward_kernel, x, self.weight)
 
     def extra_repr(self) -> str:
         return (

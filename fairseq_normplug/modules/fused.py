@@ -1,22 +1,22 @@
 """Machinery shared by the fast paths of ScaleNorm, RMSNorm and DyT.
 
-Each norm writes its forward and its hand-derived backward as two plain tensor functions
-("kernels") on a contiguous ``(rows, dim)`` view of the input, and :class:`Kernel` runs each
-on the best path available for the tensor at hand:
+A norm call takes the first suitable of three paths:
 
-1. ``native``: CPU float32 tensors of any size run hand-written C kernels (``native.py``):
-   one pass per row each way, a few microseconds per call.
+1. ``native``: CPU float32 tensors run the C++ operators of ``native.py`` (forward, backward
+   and autograd node in C++, one pass per row each way), whatever their size.
 2. ``compiled``: other tensors with at least ``NORMPLUG_COMPILE_MIN_NUMEL`` elements
-   (default 65536; GPU, fp16/bf16 on CPU, or CPU float32 when the native kernels are off)
-   run the same Python kernel through ``torch.compile`` (inductor: fused loops on CPU,
-   triton on GPU). The row dimension is marked dynamic, so NMT's variable batch shapes
-   compile once per (kernel, width, dtype, device), not once per batch; compiled code is
-   cached on disk by inductor, so later processes start in about a second.
+   (default 65536; GPU, fp16/bf16 on CPU, or CPU float32 when the native operators are off)
+   run the norm's Python forward and hand-derived backward ("kernels": plain tensor functions
+   on a contiguous ``(rows, dim)`` view, wrapped in :class:`Kernel`) through ``torch.compile``
+   (inductor: fused loops on CPU, triton on GPU). The row dimension is marked dynamic, so
+   NMT's variable batch shapes compile once per (kernel, width, dtype, device), not once per
+   batch; compiled code is cached on disk by inductor, so later processes start in about a
+   second.
 3. ``eager``: everything else (float64, e.g. gradcheck; small tensors, where a compiled
-   call's fixed cost of about 20 us dominates) runs the kernel op by op.
+   call's fixed cost of about 20 us dominates) runs the same kernels op by op.
 
 ``NORMPLUG_NATIVE=0`` and ``NORMPLUG_COMPILE=0`` switch paths 1 and 2 off for a process,
-:func:`disable` for a block. A path that fails to build (no C compiler, no triton, an
+:func:`disable` for a block. A path that fails to build (no C++ compiler, no triton, an
 unsupported platform) is reported once as a warning and skipped from then on.
 """
 import contextlib
@@ -124,34 +124,44 @@ def failed_kernels():
     return [k.__name__ for k in Kernel.instances if k._failed]
 
 
+def native_ops(x: torch.Tensor, param: torch.Tensor):
+    """``torch.ops.normplug`` when a norm call with input ``x`` and parameters like ``param``
+    runs on the native path, else None."""
+    if "native" in _disabled or not native.usable(x, param):
+        return None
+    return native._ops
+
+
+def path(kernel: "Kernel", x: torch.Tensor, param: torch.Tensor) -> str:
+    """The path a norm call with input ``x`` and parameter ``param`` takes: native, or where
+    ``kernel`` runs."""
+    if native_ops(x, param) is not None:
+        return "native"
+    return kernel.path(rows(x))
+
+
 class Kernel:
-    """A tensor function ``fn(rows, *args)`` with an optional native twin of the same
-    signature, run on the first suitable path: native, compiled, eager (module docstring)."""
+    """A tensor function ``fn(rows, *args)`` (a norm's Python forward or backward), run
+    compiled or eagerly (module docstring)."""
 
     instances = []
 
-    def __init__(self, fn, native_fn=None):
+    def __init__(self, fn):
         Kernel.instances.append(self)
         self.fn = fn
-        self.native_fn = native_fn
         self.__name__ = fn.__name__
         self.__doc__ = fn.__doc__
         self._compiled = None
         self._failed = False
 
     def path(self, x: torch.Tensor) -> str:
-        """The path a call with ``x`` takes."""
-        if self.native_fn is not None and native.usable(x) and "native" not in _disabled:
-            return "native"
+        """The path a call with ``x`` takes: compiled or eager."""
         if not self._failed and worth_compiling(x):
             return "compiled"
         return "eager"
 
     def __call__(self, x: torch.Tensor, *args):
-        path = self.path(x)
-        if path == "native":
-            return self.native_fn(x, *args)
-        if path == "compiled":
+        if self.path(x) == "compiled":
             # detached: a requires_grad flag would be guarded on and cost a recompile
             x, *args = [t.detach() if isinstance(t, torch.Tensor) else t for t in (x, *args)]
             for t in (x, *args):

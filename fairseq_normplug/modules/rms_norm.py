@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from fairseq_normplug.modules import native
-from fairseq_normplug.modules.fused import Kernel, compute_dtype, needs_autograd, rows
+from fairseq_normplug.modules import fused
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,8 +34,8 @@ def _rms_norm_backward(grad: torch.Tensor, x: torch.Tensor, inv_rms: torch.Tenso
     return grad_x.to(grad.dtype), grad_weight
 
 
-rms_norm_forward_kernel = Kernel(_rms_norm_forward, native.rms_norm_forward)
-rms_norm_backward_kernel = Kernel(_rms_norm_backward, native.rms_norm_backward)
+rms_norm_forward_kernel = Kernel(_rms_norm_forward)
+rms_norm_backward_kernel = Kernel(_rms_norm_backward)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -56,7 +56,11 @@ class _RMSNormFunction(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Fast path of :func:`rms_norm_reference` (same values and gradients, statistics in
-    float32 for fp16/bf16 input, output in the input dtype): fused kernels, see ``fused.py``."""
+    float32 for fp16/bf16 input, output in the input dtype): the native C++ operator or
+    fused kernels, see ``fused.py``."""
+    ops = native_ops(x, weight)
+    if ops is not None:
+        return ops.rms_norm(x, weight, eps)
     if needs_autograd(x, weight):
         return _RMSNormFunction.apply(x, weight, eps)
     return rms_norm_forward_kernel(rows(x), weight, eps)[0].view(x.shape)
@@ -77,6 +81,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def fast_path(self, x: torch.Tensor) -> str:
+        """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""
+        return fused.path(rms_norm_forward_kernel, x, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

@@ -4,8 +4,8 @@ import math
 import torch
 from torch import nn
 
-from fairseq_normplug.modules import native
-from fairseq_normplug.modules.fused import Kernel, compute_dtype, needs_autograd, rows
+from fairseq_normplug.modules import fused
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
 
 
 def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,8 +36,8 @@ def _scale_norm_backward(grad: torch.Tensor, x: torch.Tensor, norm: torch.Tensor
     return grad_x.to(grad.dtype), (dot * inv).sum()
 
 
-scale_norm_forward_kernel = Kernel(_scale_norm_forward, native.scale_norm_forward)
-scale_norm_backward_kernel = Kernel(_scale_norm_backward, native.scale_norm_backward)
+scale_norm_forward_kernel = Kernel(_scale_norm_forward)
+scale_norm_backward_kernel = Kernel(_scale_norm_backward)
 
 
 class _ScaleNormFunction(torch.autograd.Function):
@@ -59,7 +59,11 @@ class _ScaleNormFunction(torch.autograd.Function):
 
 def scale_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     """Fast path of :func:`scale_norm_reference` (same values and gradients, statistics in
-    float32 for fp16/bf16 input, output in the input dtype): fused kernels, see ``fused.py``."""
+    float32 for fp16/bf16 input, output in the input dtype): the native C++ operator or
+    fused kernels, see ``fused.py``."""
+    ops = native_ops(x, g)
+    if ops is not None:
+        return ops.scale_norm(x, g, eps)
     if needs_autograd(x, g):
         return _ScaleNormFunction.apply(x, g, eps)
     return scale_norm_forward_kernel(rows(x), g, eps)[0].view(x.shape)
@@ -81,6 +85,10 @@ class ScaleNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scale_norm(x, self.g, self.eps)
+
+    def fast_path(self, x: torch.Tensor) -> str:
+        """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""
+        return fused.path(scale_norm_forward_kernel, x, self.g)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, learnable={self.g.requires_grad}"
