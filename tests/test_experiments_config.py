@@ -6,7 +6,7 @@ import pytest
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import CONFIG_DIR, available_tables, load_table
-from fairseq_normplug.experiments.runner import scaled_schedule_flags
+from fairseq_normplug.experiments.runner import progress_line, scaled_schedule_flags
 
 NORM_FLAGS = {"--scalenorm", "--rmsnorm", "--dyt"}
 
@@ -78,3 +78,14 @@ def test_unknown_table_and_recipe_key(config_copy):
     (config_copy / "recipes.json").write_text(json.dumps(recipes))
     with pytest.raises(NormplugError, match="recipe 'ted': unknown key 'generte'"):
         load_table("table3", str(config_copy))
+
+
+def test_progress_line_summarises_validation_records():
+    run = type("FakeRun", (), {"label": "demo | row"})()
+    prefix = "2026-11-30 08:26:27 | INFO | valid | "
+    record = {"valid_loss": "4.608", "valid_bleu": "4.48", "valid_num_updates": "200"}
+    assert progress_line(run, prefix + json.dumps(record)) == (
+        "[demo | row] update 200, dev loss 4.608, dev BLEU 4.48")
+    record["valid_best_bleu"] = "5.1"
+    assert progress_line(run, prefix + json.dumps(record)).endswith("dev BLEU 4.48 (best 5.1)")
+    assert progress_line(run, "2026-11-30 | INFO | train_inner | {}") is None

@@ -116,10 +116,11 @@ def test_fast_path_matches_reference_float32(name, shape, contiguous, path):
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_inference_without_autograd(name, path):
+@pytest.mark.parametrize("no_autograd", [torch.no_grad, torch.inference_mode])
+def test_inference_without_autograd(name, no_autograd, path):
     module = randomized(MODULES[name]())
     x = make_input(TRAIN_SHAPE)
-    with torch.no_grad():
+    with no_autograd():
         out = module(x)
     assert not out.requires_grad
     assert_rel_close(out, reference(module, x).detach())

@@ -43,7 +43,7 @@ from torch import nn
 
 from fairseq_normplug.bench.common import (
     DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
-    median, write_results,
+    median, publish, steady_allocator_env,
 )
 from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh, dynamic_tanh_reference
@@ -254,6 +254,7 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.reps < 1:
         parser.error(f"--rounds and --reps must be at least 1, got {args.rounds} and {args.reps}")
+    steady_allocator = steady_allocator_env() or args.rounds > 1  # rounds: child processes
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -292,20 +293,17 @@ def main(argv=None) -> str:
     if unavailable:
         head += ["", "NOTE: unavailable here, replaced by the next path: "
                      f"{'; '.join(unavailable)}."]
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+    if not steady_allocator:
         head += ["", "NOTE: glibc may return freed memory to the kernel between calls; the "
-                     "page faults that follow add noise. scripts/bench_norms.sh sets "
-                     "MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ to prevent it."]
+                     "page faults that follow add noise. Rounds in child processes (--rounds "
+                     "2 or more) or MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ set before "
+                     "start (see bench/common.py) prevent it."]
     if warning:
         head += ["", warning]
     text = "\n".join(head) + "\n\n" + "\n\n".join(table(r) for r in results) + "\n"
-    write_results(args.out, text, {"machine": machine_line(), "reps": args.reps,
-                                   "rounds": args.rounds,
-                                   "load_average": [load_before, load_average()],
-                                   "other_cpu_share": other_share,
-                                   "results": results})
-    print(text)
-    print(f"written to {args.out}")
+    publish(args.out, text, {"machine": machine_line(), "reps": args.reps,
+                             "rounds": args.rounds, "load_average": [load_before, load_average()],
+                             "other_cpu_share": other_share, "results": results})
     return text
 
 

@@ -30,7 +30,7 @@ import torch
 
 from fairseq_normplug.bench.common import (
     DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
-    median, write_results,
+    median, publish, steady_allocator_env,
 )
 from fairseq_normplug.cli import user_dir
 
@@ -151,6 +151,7 @@ def main(argv=None) -> str:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or "stock" not in variants:
         parser.error(f"unknown variants {unknown}" if unknown else "variants must include stock")
+    steady_allocator_env()  # for the training processes: same settings for every variant
     data = prepare_data(args.workdir, args.train_pairs)
     load_before = load_average()
     others = OtherProcesses()
@@ -199,11 +200,9 @@ def main(argv=None) -> str:
     if warning:
         head += ["", warning]
     text = "\n".join(head) + "\n\n" + markdown_table(header, rows) + "\n"
-    write_results(args.out, text, {"machine": machine_line(), "args": vars(args), "runs": runs,
-                                   "load_average": [load_before, load_average()],
-                                   "other_cpu_share": other_share})
-    print(text)
-    print(f"written to {args.out}")
+    publish(args.out, text, {"machine": machine_line(), "args": vars(args), "runs": runs,
+                             "load_average": [load_before, load_average()],
+                             "other_cpu_share": other_share})
     return text
 
 

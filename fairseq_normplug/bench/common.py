@@ -82,6 +82,29 @@ def markdown_table(header: List[str], rows: List[List[str]]) -> str:
     return "\n".join(lines + [fmt(r) for r in rows])
 
 
+#: glibc allocator settings for steadier numbers: freed blocks of up to 32 MB (glibc's largest
+#: allowed threshold) stay in the heap instead of being unmapped, so the next tensor of that
+#: size is not page-faulted in again (hundreds of faults per 8 MB tensor, at random)
+STEADY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
+
+
+def steady_allocator_env() -> bool:
+    """Put :data:`STEADY_ALLOCATOR` into ``os.environ`` where unset, for the child processes
+    a benchmark starts; True when this process itself started with them (glibc reads them
+    once, at start-up)."""
+    started_with = all(name in os.environ for name in STEADY_ALLOCATOR)
+    for name, value in STEADY_ALLOCATOR.items():
+        os.environ.setdefault(name, value)
+    return started_with
+
+
+def publish(out: str, text: str, data: Dict) -> None:
+    """Write the table and the raw numbers (:func:`write_results`) and print the table."""
+    write_results(out, text, data)
+    print(text)
+    print(f"written to {out}")
+
+
 def write_results(out: str, text: str, data: Dict) -> None:
     """Write ``text`` (markdown) to ``out`` and ``data`` as JSON beside it (``.json``), each
     to a temporary name first, then renamed: never a half-written table."""

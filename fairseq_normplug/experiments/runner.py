@@ -128,7 +128,7 @@ def check_data_dir(data_dir: str, pair: str) -> None:
                             f"prepare it with scripts/prepare_*.sh (docs/data.md)")
 
 
-def _progress_line(run: Run, line: str) -> Optional[str]:
+def progress_line(run: Run, line: str) -> Optional[str]:
     """A one-line summary of a validation record, for the console."""
     if "| valid | " not in line:
         return None
@@ -138,7 +138,9 @@ def _progress_line(run: Run, line: str) -> Optional[str]:
         return None
     parts = [f"update {record.get('valid_num_updates', '?')}", f"dev loss {record.get('valid_loss', '?')}"]
     if "valid_bleu" in record:
-        parts.append(f"dev BLEU {record['valid_bleu']} (best {record.get('valid_best_bleu', '?')})")
+        # fairseq adds the best so far only once a checkpoint has been saved
+        best = record.get("valid_best_bleu")
+        parts.append(f"dev BLEU {record['valid_bleu']}" + (f" (best {best})" if best else ""))
     return f"[{run.label}] " + ", ".join(parts)
 
 
@@ -162,7 +164,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line])[-200:]
-            summary = _progress_line(run, line)
+            summary = progress_line(run, line)
             if summary:
                 echo(summary)
         returncode = proc.wait()

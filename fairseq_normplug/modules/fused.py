@@ -129,7 +129,7 @@ def native_ops(x: torch.Tensor, param: torch.Tensor):
     runs on the native path, else None."""
     if "native" in _disabled or not native.usable(x, param):
         return None
-    return native._ops
+    return native.ops()
 
 
 def path(kernel: "Kernel", x: torch.Tensor, param: torch.Tensor) -> str:

@@ -109,6 +109,13 @@ static void reduce_partials(const double *part, int threads, int64_t stride, int
     }
 }
 
+static inline float sum_of_squares(const float *xr, int64_t d) {
+    float ss = 0.0f;
+    #pragma omp simd reduction(+:ss)
+    for (int64_t j = 0; j < d; j++) ss += xr[j] * xr[j];
+    return ss;
+}
+
 /* ScaleNorm, eq. (8): y = x * g / max(||x||, eps); norm = ||x|| per row */
 static void scale_norm_fwd(const float *x, float *y, float *norm, int64_t n, int64_t d,
                            float g, float eps, int nt) {
@@ -116,10 +123,7 @@ static void scale_norm_fwd(const float *x, float *y, float *norm, int64_t n, int
     for (int64_t i = 0; i < n; i++) {
         const float *xr = x + i * d;
         float *yr = y + i * d;
-        float ss = 0.0f;
-        #pragma omp simd reduction(+:ss)
-        for (int64_t j = 0; j < d; j++) ss += xr[j] * xr[j];
-        float nr = sqrtf(ss);
+        float nr = sqrtf(sum_of_squares(xr, d));
         norm[i] = nr;
         float s = g / (nr > eps ? nr : eps);
         #pragma omp simd
@@ -156,10 +160,7 @@ static void rms_norm_fwd(const float *x, const float *w, float *y, float *rstd, 
     for (int64_t i = 0; i < n; i++) {
         const float *xr = x + i * d;
         float *yr = y + i * d;
-        float ss = 0.0f;
-        #pragma omp simd reduction(+:ss)
-        for (int64_t j = 0; j < d; j++) ss += xr[j] * xr[j];
-        float r = 1.0f / sqrtf(ss / (float)d + eps);
+        float r = 1.0f / sqrtf(sum_of_squares(xr, d) / (float)d + eps);
         rstd[i] = r;
         #pragma omp simd
         for (int64_t j = 0; j < d; j++) yr[j] = xr[j] * r * w[j];
