@@ -44,7 +44,7 @@ def main(argv=None):
     parser.add_argument("--tgt", help="target language of --corpus")
     parser.add_argument("--tokenized", action="store_true", help="--corpus text is already tokenized")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
-                        help="size: small (default, ~20 min on 2 cores) or tiny (a few minutes)")
+                        help="size: small (default, ~10 min on 2 cores) or tiny (a few minutes)")
     parser.add_argument("--bpe-merges", type=int, default=4000, help="joint BPE merges (default 4000)")
     parser.add_argument("--out", default=os.path.join(REPO, "results", "demo"),
                         help="output folder: results.csv, results.md, PNG figures (default results/demo)")
