@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from fairseq_normplug.modules import fused, native
-from fairseq_normplug.modules.precision import upcast
-from fairseq_normplug.modules.dynamic_tanh import DynamicTanh, dynamic_tanh_reference
-from fairseq_normplug.modules.rms_norm import RMSNorm, rms_norm_reference
-from fairseq_normplug.modules.scale_norm import ScaleNorm, scale_norm_reference
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
+from fairseq_normplug.modules.rms_norm import RMSNorm
+from fairseq_normplug.modules.scale_norm import ScaleNorm
 
 D = 128
 #: (time, batch, dim): 131,072 elements (compiled path), a decoding step (eager path)
@@ -29,18 +28,6 @@ MODULES = {
     "dyt-hardtanh": lambda: DynamicTanh(D, squash="hardtanh"),
     "dyt-sigmoid": lambda: DynamicTanh(D, squash="sigmoid"),
 }
-
-
-def reference(module, x):
-    """The module's formula, written plainly, in float32 for fp16/bf16 input."""
-    if isinstance(module, ScaleNorm):
-        out = scale_norm_reference(upcast(x), upcast(module.g), module.eps)
-    elif isinstance(module, RMSNorm):
-        out = rms_norm_reference(upcast(x), upcast(module.weight), module.eps)
-    else:
-        out = dynamic_tanh_reference(upcast(x), upcast(module.alpha), upcast(module.weight),
-                                     upcast(module.bias), module.squash)
-    return out.to(x.dtype)
 
 
 def randomized(module, seed=0):
@@ -109,7 +96,7 @@ def test_fast_path_matches_reference_float32(name, shape, contiguous, path):
     x = make_input(shape, contiguous)
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     fast = values_and_grads(module, module, x, grad)
-    ref = values_and_grads(lambda t: reference(module, t), module, x, grad)
+    ref = values_and_grads(module.reference, module, x, grad)
     for a, b in zip(fast, ref):
         assert_rel_close(a, b)
     assert module.fast_path(x) == expected_path(path, x)
@@ -123,7 +110,7 @@ def test_inference_without_autograd(name, no_autograd, path):
     with no_autograd():
         out = module(x)
     assert not out.requires_grad
-    assert_rel_close(out, reference(module, x).detach())
+    assert_rel_close(out, module.reference(x).detach())
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -149,7 +136,7 @@ def test_low_precision_output_dtype_and_values(name, dtype, path):
     x = (make_input(TRAIN_SHAPE, tiny_rows=False) * 100).to(dtype)
     grad = torch.randn(TRAIN_SHAPE).to(dtype)
     fast = values_and_grads(module, module, x, grad)
-    ref = values_and_grads(lambda t: reference(module, t), module, x, grad)
+    ref = values_and_grads(module.reference, module, x, grad)
     assert fast[0].dtype == dtype and fast[1].dtype == dtype
     assert module.fast_path(x) == expected_path(path, x)
     for a, b in zip(fast, ref):
@@ -187,9 +174,9 @@ def test_rational_tanh_accuracy():
 
 PATH_PROBE = """
 import torch
-from fairseq_normplug.modules.dynamic_tanh import DynamicTanh, dynamic_tanh_reference
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 module, x = DynamicTanh(128), torch.randn(64, 16, 128)
-error = (module(x) - dynamic_tanh_reference(x, module.alpha, module.weight, module.bias)).abs()
+error = (module(x) - module.reference(x)).abs()
 print(module.fast_path(x), float(error.max()))
 """
 
@@ -233,7 +220,7 @@ def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     module = randomized(RMSNorm(D))
     with pytest.warns(RuntimeWarning, match="native CPU norm kernels unavailable.*no-such"):
         assert module.fast_path(x) == "compiled"
-    assert_rel_close(module(x).detach(), reference(module, x).detach())
+    assert_rel_close(module(x).detach(), module.reference(x).detach())
 
 
 def test_bench_norms_smoke(tmp_path):

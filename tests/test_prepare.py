@@ -322,7 +322,7 @@ def test_corpus_bad_input(damage, message, tmp_path, capsys):
     dest = str(tmp_path / "out")
     status, err = run_in_process(corpus_cli, [raw, "--src", "en", "--tgt", "de", "--dest", dest, *TINY], capsys)
     assert status == 2
-    assert f"prepare_corpus.sh: error: " in err and message in err, err
+    assert "prepare_corpus.sh: error: " in err and message in err, err
     assert_nothing_published(dest)
 
 

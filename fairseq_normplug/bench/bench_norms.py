@@ -46,24 +46,11 @@ from fairseq_normplug.bench.common import (
     median, publish, steady_allocator_env,
 )
 from fairseq_normplug.modules import fused, native
-from fairseq_normplug.modules.dynamic_tanh import DynamicTanh, dynamic_tanh_reference
-from fairseq_normplug.modules.precision import upcast
-from fairseq_normplug.modules.rms_norm import RMSNorm, rms_norm_reference
-from fairseq_normplug.modules.scale_norm import ScaleNorm, scale_norm_reference
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
+from fairseq_normplug.modules.rms_norm import RMSNorm
+from fairseq_normplug.modules.scale_norm import ScaleNorm
 
 DEFAULT_SHAPES = "64x64x512,128x32x1024,1x64x512"
-
-
-def _reference_forward(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The module's formula written plainly (statistics in float32, as the module does)."""
-    if isinstance(module, ScaleNorm):
-        return lambda x: scale_norm_reference(upcast(x), upcast(module.g), module.eps).to(x.dtype)
-    if isinstance(module, RMSNorm):
-        return lambda x: rms_norm_reference(upcast(x), upcast(module.weight),
-                                            module.eps).to(x.dtype)
-    return lambda x: dynamic_tanh_reference(
-        upcast(x), upcast(module.alpha), upcast(module.weight), upcast(module.bias), module.squash
-    ).to(x.dtype)
 
 
 def candidates(dim: int, reference: bool, eager: bool) -> List[Tuple[str, nn.Module, Callable]]:
@@ -81,7 +68,7 @@ def candidates(dim: int, reference: bool, eager: bool) -> List[Tuple[str, nn.Mod
     if eager:
         out += [(f"{name}-eager", module, _eager(module)) for name, module in plugin]
     if reference:
-        out += [(f"{name}-ref", module, _reference_forward(module)) for name, module in plugin]
+        out += [(f"{name}-ref", module, module.reference) for name, module in plugin]
     return out
 
 

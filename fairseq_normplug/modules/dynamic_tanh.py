@@ -5,7 +5,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.modules import fused, native
-from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.modules.fused import (
+    Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
+)
 
 SQUASH_FUNCTIONS = {
     "tanh": torch.tanh,
@@ -127,6 +129,11 @@ class DynamicTanh(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dynamic_tanh(x, self.alpha, self.weight, self.bias, self.squash)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """:func:`dynamic_tanh_reference` with this module's parameters, in float32."""
+        return dynamic_tanh_reference(upcast(x), upcast(self.alpha), upcast(self.weight),
+                                      upcast(self.bias), self.squash).to(x.dtype)
 
     def fast_path(self, x: torch.Tensor) -> str:
         """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""

@@ -57,6 +57,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the dtype norm statistics are computed in (float32 for fp16/bf16; float32
+    and float64 tensors are returned as they are)."""
+    return t.to(compute_dtype(t))
+
+
 def rational_tanh(z: torch.Tensor) -> torch.Tensor:
     """float32 tanh as a clamped rational function (FMAs and one division): a few times
     cheaper than libm/Sleef tanh once fused by the compiler, max relative error 4e-7."""

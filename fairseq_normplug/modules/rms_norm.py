@@ -4,7 +4,9 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules import fused
-from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.modules.fused import (
+    Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
+)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,6 +83,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """:func:`rms_norm_reference` with this module's gains, statistics in float32."""
+        return rms_norm_reference(upcast(x), upcast(self.weight), self.eps).to(x.dtype)
 
     def fast_path(self, x: torch.Tensor) -> str:
         """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""

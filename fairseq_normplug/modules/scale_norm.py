@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules import fused
-from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.modules.fused import (
+    Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
+)
 
 
 def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,6 +87,10 @@ class ScaleNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scale_norm(x, self.g, self.eps)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """:func:`scale_norm_reference` with this module's g, statistics in float32."""
+        return scale_norm_reference(upcast(x), upcast(self.g), self.eps).to(x.dtype)
 
     def fast_path(self, x: torch.Tensor) -> str:
         """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""
