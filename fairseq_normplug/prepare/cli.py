@@ -3,7 +3,7 @@ progress log lines and the one-line error report for bad input."""
 import argparse
 import os
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from fairseq_normplug.errors import NormplugError
 
@@ -54,6 +54,31 @@ def build_parser(prog: str, description: str, epilog: str, downloads: bool) -> a
         out.add_argument("--download-dir", default=DEFAULT_DOWNLOAD_DIR, metavar="DIR",
                          help="where downloads are kept and resumed (default: data/downloads)")
     return parser
+
+
+def add_release_args(parser: argparse.ArgumentParser, langs: Sequence[str], holding: str) -> None:
+    """``--src``/``--tgt`` (default ``langs``, either direction) and ``--archive-dir`` for a
+    release of one fixed language pair (IWSLT'15, WMT'14)."""
+    parser.add_argument("--src", default=langs[0], help="source language (default: %(default)s)")
+    parser.add_argument("--tgt", default=langs[1], help="target language (default: %(default)s)")
+    parser.add_argument("--archive-dir", metavar="DIR",
+                        help=f"local folder holding {holding}, instead of downloading")
+
+
+def release_files(args: argparse.Namespace, langs: Sequence[str], names: Iterable[str],
+                  download_subdir: str, release: str) -> Dict[str, str]:
+    """``{file name: local path}`` of a fixed-pair release's files, in ``--archive-dir`` or in
+    the download folder; rejects another pair and, with ``--archive-dir``, missing files."""
+    if {args.src, args.tgt} != set(langs):
+        raise NormplugError(f"unknown language pair {args.src}-{args.tgt}: {release} has "
+                            f"{'-'.join(langs)} only (either direction)")
+    folder = args.archive_dir or os.path.join(args.download_dir, download_subdir)
+    files = {name: os.path.join(folder, name) for name in names}
+    if args.archive_dir is not None:
+        missing = [name for name, path in files.items() if not os.path.isfile(path)]
+        if missing:
+            raise NormplugError(f"{args.archive_dir} lacks {', '.join(missing)}")
+    return files
 
 
 def validate_common(args: argparse.Namespace) -> None:

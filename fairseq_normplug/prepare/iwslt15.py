@@ -5,9 +5,10 @@ escapes) and is used as it is.
 """
 import os
 
-from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.prepare import pipeline
-from fairseq_normplug.prepare.cli import Log, build_parser, run_main, validate_common
+from fairseq_normplug.prepare.cli import (
+    Log, add_release_args, build_parser, release_files, run_main, validate_common,
+)
 from fairseq_normplug.prepare.download import fetch, fingerprint
 from fairseq_normplug.prepare.text import clean_line, read_lines, write_lines
 
@@ -32,29 +33,13 @@ from {BASE_URL}. Default output: data/iwslt15/SRC-TGT (layout: docs/data.md).
 """
 
 
-def source_files(args) -> dict:
-    """``{file name: local path}`` of the six release files (to be downloaded if needed)."""
-    folder = args.archive_dir or os.path.join(args.download_dir, DOWNLOAD_SUBDIR)
-    return {f"{name}.{lang}": os.path.join(folder, f"{name}.{lang}")
-            for name in FILE_OF_SPLIT.values() for lang in LANGS}
-
-
 def main(argv) -> None:
     parser = build_parser(PROG, DESCRIPTION, EPILOG, downloads=True)
-    parser.add_argument("--src", default="en", help="source language (default: %(default)s)")
-    parser.add_argument("--tgt", default="vi", help="target language (default: %(default)s)")
-    parser.add_argument("--archive-dir", metavar="DIR",
-                        help="local folder holding the release files, instead of downloading")
+    add_release_args(parser, LANGS, "the six release files")
     args = parser.parse_args(argv)
     validate_common(args)
-    if {args.src, args.tgt} != set(LANGS):
-        raise NormplugError(f"unknown language pair {args.src}-{args.tgt}: the IWSLT'15 release "
-                            "has en-vi only (either direction)")
-    files = source_files(args)
-    if args.archive_dir is not None:
-        missing = [name for name, path in files.items() if not os.path.isfile(path)]
-        if missing:
-            raise NormplugError(f"{args.archive_dir} lacks {', '.join(missing)}")
+    files = release_files(args, LANGS, [f"{name}.{lang}" for name in FILE_OF_SPLIT.values()
+                                        for lang in LANGS], DOWNLOAD_SUBDIR, "the IWSLT'15 release")
     pipeline.check_tools(args.bpe)
 
     log = Log(PROG)

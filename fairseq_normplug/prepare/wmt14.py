@@ -20,7 +20,9 @@ from typing import Iterable
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.prepare import pipeline
 from fairseq_normplug.prepare.archives import read_members
-from fairseq_normplug.prepare.cli import Log, build_parser, run_main, validate_common
+from fairseq_normplug.prepare.cli import (
+    Log, add_release_args, build_parser, release_files, run_main, validate_common,
+)
 from fairseq_normplug.prepare.download import fetch, fingerprint
 from fairseq_normplug.prepare.text import MosesSteps, clean_line, open_text
 
@@ -119,21 +121,10 @@ def extract(archives: dict, src: str, tgt: str, raw_dir: str, log) -> dict:
 def main(argv) -> None:
     parser = build_parser(PROG, DESCRIPTION, EPILOG, downloads=True)
     parser.set_defaults(max_len_ratio=MAX_LEN_RATIO)
-    parser.add_argument("--src", default="en", help="source language (default: %(default)s)")
-    parser.add_argument("--tgt", default="de", help="target language (default: %(default)s)")
-    parser.add_argument("--archive-dir", metavar="DIR",
-                        help="local folder holding the five archives, instead of downloading")
+    add_release_args(parser, LANGS, "the five archives")
     args = parser.parse_args(argv)
     validate_common(args)
-    if {args.src, args.tgt} != set(LANGS):
-        raise NormplugError(f"unknown language pair {args.src}-{args.tgt}: this recipe "
-                            "prepares en-de (either direction)")
-    folder = args.archive_dir or os.path.join(args.download_dir, DOWNLOAD_SUBDIR)
-    archives = {name: os.path.join(folder, name) for name in ARCHIVES}
-    if args.archive_dir is not None:
-        missing = [name for name, path in archives.items() if not os.path.isfile(path)]
-        if missing:
-            raise NormplugError(f"{args.archive_dir} lacks {', '.join(missing)}")
+    archives = release_files(args, LANGS, ARCHIVES, DOWNLOAD_SUBDIR, "this WMT'14 recipe")
     pipeline.check_tools(args.bpe)
 
     log = Log(PROG)
