@@ -26,10 +26,12 @@ PAD_LOGIT_MARGIN = 30.0
 
 
 def mask_padding_logit(logits: torch.Tensor, padding_idx: int) -> torch.Tensor:
-    floor = logits.detach().amin(dim=-1, keepdim=True) - PAD_LOGIT_MARGIN
-    is_pad = torch.zeros(logits.size(-1), dtype=torch.bool, device=logits.device)
-    is_pad[padding_idx] = True
-    return torch.where(is_pad, floor, logits)
+    """Set the padding column of freshly computed ``logits`` (in place: one pass for the row
+    minimum, none over the whole tensor) to ``PAD_LOGIT_MARGIN`` below each row's minimum;
+    no gradient flows through that column."""
+    floor = logits.detach().amin(dim=-1) - PAD_LOGIT_MARGIN
+    logits[..., padding_idx] = floor
+    return logits
 
 
 class FixNormTransformerDecoder(TransformerDecoderBase):
