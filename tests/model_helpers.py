@@ -32,3 +32,14 @@ def toy_batch(task, batch=3, length=7, seed=0):
     prev = torch.randint(low, len(task.target_dictionary), (batch, length), generator=g)
     prev[:, 0] = task.target_dictionary.eos()
     return src, torch.full((batch,), length), prev
+
+
+def randomized(module, seed=0):
+    """Give every parameter a random non-default value (0.5-1.5 times its own, plus noise)
+    so formulas and gradients are really exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(torch.rand(p.shape, generator=g) + 0.5)
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return module

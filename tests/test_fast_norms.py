@@ -15,6 +15,7 @@ from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
+from model_helpers import randomized
 
 D = 128
 #: (time, batch, dim): 131,072 elements (compiled path), a decoding step (eager path)
@@ -29,15 +30,6 @@ MODULES = {
     "dyt-hardtanh": lambda: DynamicTanh(D, squash="hardtanh"),
     "dyt-sigmoid": lambda: DynamicTanh(D, squash="sigmoid"),
 }
-
-
-def randomized(module, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.mul_(torch.rand(p.shape, generator=g) + 0.5)
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return module
 
 
 def values_and_grads(fn, module, x, grad):

@@ -11,17 +11,9 @@ from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, NORM_TYPES, NormSpec, build_norm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
+from model_helpers import randomized
 
 D = 16
-
-
-def randomized(module, seed=0):
-    """Give every parameter a random non-default value so formulas are really exercised."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-    return module
 
 
 def test_scalenorm_formula_and_init():
