@@ -5,16 +5,16 @@ from fairseq import options, tasks, utils
 from conftest import REPO
 
 
-def parse_args(data_bin, arch, *flags):
+def parse_args(data_bin, arch, *flags, task="translation"):
     parser = options.get_training_parser()
-    argv = [data_bin, "--user-dir", f"{REPO}/fairseq_normplug", "--task", "translation",
+    argv = [data_bin, "--user-dir", f"{REPO}/fairseq_normplug", "--task", task,
             "--arch", arch, "--cpu", *flags]
     return options.parse_args_and_arch(parser, argv)
 
 
-def build(data_bin, arch, *flags, seed=1):
+def build(data_bin, arch, *flags, seed=1, task="translation"):
     """(model, task, args) built exactly as fairseq-train builds them, with a fixed seed."""
-    args = parse_args(data_bin, arch, *flags)
+    args = parse_args(data_bin, arch, *flags, task=task)
     utils.import_user_module(args)
     task = tasks.setup_task(args)
     torch.manual_seed(seed)

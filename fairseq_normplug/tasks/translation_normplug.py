@@ -1,0 +1,100 @@
+"""``--task translation_normplug``: fairseq's ``translation`` task plus the two parts of the
+paper's recipe that are not model flags (NOTES.md, TED recipe):
+
+* ``--word-dropout P``: in training only, each non-special token of the source and of the
+  decoder input becomes ``<unk>`` with probability P (targets untouched). P = 0 (default)
+  draws no random number at all, so training is bit-identical to ``--task translation``.
+* ``--gnmt-alpha A``: beam search ranks finished hypotheses by GNMT length normalisation,
+  log P(Y|X) / ((5 + |Y|) / 6) ** A (Wu et al. 2016, eq. 14; |Y| counts EOS), instead of
+  fairseq's ``--lenpen``. Used by fairseq-generate, fairseq-interactive (both take
+  ``--task translation_normplug --gnmt-alpha A``) and by fairseq-train's dev BLEU
+  (``--eval-bleu``: the task builds its generator through :meth:`build_generator`). Off by
+  default (fairseq's ``--lenpen`` applies as usual).
+
+Word dropout's random draws come from a generator of their own, seeded from fairseq's
+per-update seed (``--seed`` + update number, which fairseq sets before every update), the
+data-parallel rank and the micro-batch index within the update: deterministic per seed and
+across resumes, different on every rank and micro-batch, and they never shift the model's
+dropout masks.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator
+from fairseq_normplug.tasks.word_dropout import word_dropout
+
+
+@dataclass
+class TranslationNormplugConfig(TranslationConfig):
+    word_dropout: float = field(default=0.0, metadata={
+        "help": "training only: replace each non-special source and decoder-input token by <unk> "
+                "with this probability (the paper's TED recipe: 0.1)"})
+    gnmt_alpha: Optional[float] = field(default=None, metadata={
+        "help": "beam search: GNMT length normalisation log P / ((5 + |Y|) / 6) ** alpha (the paper: "
+                "0.6), replacing --lenpen; default off"})
+
+
+def check_config(cfg) -> None:
+    """One-line errors for out-of-range values, at task set-up (before any training)."""
+    if not 0 <= cfg.word_dropout < 1:
+        raise NormplugError(f"--word-dropout must be in [0, 1), got {cfg.word_dropout}")
+    if cfg.gnmt_alpha is not None and cfg.gnmt_alpha < 0:
+        raise NormplugError(f"--gnmt-alpha must be >= 0 (or left out: fairseq's --lenpen), got {cfg.gnmt_alpha}")
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+@register_task("translation_normplug", dataclass=TranslationNormplugConfig)
+class TranslationNormplugTask(TranslationTask):
+    """fairseq's translation task with word dropout and GNMT length normalisation."""
+
+    @classmethod
+    def setup_task(cls, cfg, **kwargs):
+        check_config(cfg)
+        return super().setup_task(cfg, **kwargs)
+
+    def __init__(self, cfg, src_dict, tgt_dict):
+        super().__init__(cfg, src_dict, tgt_dict)
+        self._micro_batch = (None, 0)  # (update number, micro-batches seen in it)
+
+    def word_dropout_generator(self, update_num: int) -> torch.Generator:
+        """The generator of this micro-batch's word-dropout draws (see the module docstring)."""
+        update, count = self._micro_batch
+        count = count + 1 if update == update_num else 0
+        self._micro_batch = (update_num, count)
+        seed = (torch.initial_seed() * 1_000_003 + _rank() * 1009 + count) % (2 ** 63)
+        return torch.Generator().manual_seed(seed)
+
+    def apply_word_dropout(self, sample: dict, generator: torch.Generator) -> dict:
+        """A copy of ``sample`` whose src_tokens and prev_output_tokens went through word dropout."""
+        p = self.cfg.word_dropout
+        net_input = dict(sample["net_input"])
+        net_input["src_tokens"] = word_dropout(net_input["src_tokens"], p, self.src_dict, generator)
+        if "prev_output_tokens" in net_input:
+            net_input["prev_output_tokens"] = word_dropout(net_input["prev_output_tokens"], p,
+                                                           self.tgt_dict, generator)
+        return {**sample, "net_input": net_input}
+
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        if self.cfg.word_dropout > 0 and sample:
+            sample = self.apply_word_dropout(sample, self.word_dropout_generator(update_num))
+        return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
+                        prefix_allowed_tokens_fn=None):
+        if self.cfg.gnmt_alpha is not None and seq_gen_cls is None:
+            if getattr(args, "print_alignment", False):
+                raise NormplugError("--gnmt-alpha does not support --print-alignment; leave one out")
+            seq_gen_cls = GnmtSequenceGenerator
+            extra_gen_cls_kwargs = {**(extra_gen_cls_kwargs or {}), "gnmt_alpha": self.cfg.gnmt_alpha}
+        return super().build_generator(models, args, seq_gen_cls, extra_gen_cls_kwargs,
+                                       prefix_allowed_tokens_fn)
