@@ -1,9 +1,11 @@
 """reproduce/train/evaluate on a tiny prepared corpus: results produced, resume skips
 finished rows, a forced divergence is recorded as such."""
 import csv
+import dataclasses
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 
@@ -38,11 +40,9 @@ def tiny_table(tmp_path_factory):
     config_dir = tmp_path_factory.mktemp("configs") / "configs"
     shutil.copytree(CONFIG_DIR, config_dir)
     recipes = json.loads((config_dir / "recipes.json").read_text())
-    recipe = dict(recipes["cpu_tiny"])
-    recipe["train"] = [f for f in recipe["train"]] + ["--max-update", "40", "--validate-interval-updates", "20",
-                                                      "--log-interval", "10", "--norm-stats-interval", "10"]
-    recipe["generate"] = ["--beam", "2", "--max-tokens", "4000"]
-    recipes["test_tiny"] = recipe
+    recipes["test_tiny"] = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
+                            "train": {"--max-update": "40", "--validate-interval-updates": "20",
+                                      "--log-interval": "10", "--norm-stats-interval": "10"}}
     (config_dir / "recipes.json").write_text(json.dumps(recipes))
     (config_dir / "experiments" / "tiny.json").write_text(json.dumps(TINY_TABLE))
     return load_table("tiny", str(config_dir))
@@ -112,3 +112,42 @@ def test_interrupted_run_resumes(tiny_table, prepared, tmp_path):
     second = train(run, [], echo=lambda m: None)
     assert second["status"] == "done" and second["updates"] == 40
     assert "Loaded checkpoint" in (tmp_path / "run" / "train.log").read_text()
+
+
+def test_best_checkpoint_is_the_best_dev_bleu_and_dev_decodes_like_test(tiny_table, prepared, tmp_path):
+    """A run whose dev BLEU goes up then down: checkpoint_best.pt is the validation with the
+    best dev BLEU (fairseq's ties go to the later one), not the last; and fairseq-generate with
+    the test set's decoder reproduces that dev BLEU on the dev set."""
+    from fairseq_normplug.experiments import bleu
+    from fairseq_normplug.experiments.configs import Recipe, Schedule
+    from fairseq_normplug.experiments.runner import Run, evaluate, generate_command, selected_checkpoint, train
+    from fairseq_normplug.experiments.training_log import parse_training_log
+
+    recipe = tiny_table.recipe
+    at = recipe.train.index("--stop-lr")  # an option of our schedulers, not of fairseq's fixed one
+    train_flags = recipe.train[:at] + recipe.train[at + 2:]
+    # the fixed lr 0.01 lifts dev BLEU at update 10, then loses it (this seed, this data)
+    table = dataclasses.replace(tiny_table, recipe=dataclasses.replace(recipe, train=train_flags), recipes={},
+                                schedules={"fixed": Schedule("fixed", ["--lr-scheduler", "fixed", "--lr", "0.01"], 0)})
+    row = dataclasses.replace(tiny_table.rows[0], model=["--prenorm"], schedule="fixed")
+    run = Run(table=table, row=row, pair="src-tgt", data_dir=prepared, run_dir=str(tmp_path / "run"))
+    extra = ["--max-tokens", "8000", "--max-update", "25", "--validate-interval-updates", "50",
+             "--validate-interval-updates=5"]  # the last one counts, as in fairseq
+    assert train(run, extra, echo=lambda m: None)["status"] == "done"
+    valid = parse_training_log(run.path("train.log")).kind("valid")
+    curve = [(int(r["valid_num_updates"]), r["valid_bleu"]) for r in valid]
+    assert [u for u, _ in curve] == [5, 10, 15, 20, 25]
+    best = max(b for _, b in curve)
+    assert curve[-1][1] < best, curve  # not monotonic: the last checkpoint is not the best
+    expected = max(u for u, b in curve if b == best)
+    scores = evaluate(run, echo=lambda m: None)
+    assert scores["selected_update"] == expected and scores["dev_bleu"] == pytest.approx(best)
+    assert selected_checkpoint(run.path("checkpoints", "checkpoint_best.pt"))["selected_update"] == expected
+    assert sorted(os.listdir(run.path("checkpoints"))) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+    dev_out = tmp_path / "generate-valid.txt"
+    with open(dev_out, "w") as out:
+        subprocess.run(generate_command(run, run.path("checkpoints", "checkpoint_best.pt"), "valid"),
+                       stdout=out, check=True, stderr=subprocess.DEVNULL)
+    refs = bleu.read_lines(os.path.join(prepared, "ref", "valid.tok.tgt"))
+    dev_again = bleu.tokenized_bleu(bleu.read_fairseq_generate(str(dev_out), len(refs)).hypotheses, refs)
+    assert round(dev_again.score, 2) == pytest.approx(best)

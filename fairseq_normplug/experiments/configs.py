@@ -4,9 +4,13 @@
   plus ``demo``: ``title``, ``recipe``, ``pairs`` and ``rows``; each row has a ``name``,
   ``model`` flags, a ``schedule`` name, optionally ``baseline`` (the row it is compared to),
   ``train`` (extra fairseq-train flags) and ``paper`` (a note).
-* ``configs/recipes.json``: how rows are trained and evaluated (arch, fairseq-train and
-  fairseq-generate flags; ``warmup_scale`` and ``lr_lambda_scale`` shrink the schedules'
-  warmup length and lambda for short CPU runs of small models).
+* ``configs/recipes.json``: how rows are trained and evaluated, each recipe written as a
+  ``base`` recipe plus its differences (``train`` flags merged over the base's, ``unset``
+  flags removed, ``decoding`` keys merged): arch, fairseq-train flags, the ``decoding`` spec
+  shared by dev BLEU and the test set, fairseq-generate batching flags, ``pairs`` (the recipe
+  replaces its base for these pairs in every table), ``tokens_per_update`` (the runner sets
+  --update-freq to reach it); ``warmup_scale`` and ``lr_lambda_scale`` shrink the schedules'
+  warmup length and lambda for short CPU runs of small models.
 * ``configs/schedules.json``: the paper's learning-rate schedules as flags.
 * ``configs/data.json``: where each language pair's prepared data lives.
 
@@ -16,7 +20,7 @@ A typo anywhere (unknown key, unknown schedule/recipe/baseline, duplicate row) i
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 from fairseq_normplug.errors import NormplugError
 
@@ -26,7 +30,12 @@ EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
 
 TABLE_KEYS = {"title", "recipe", "pairs", "rows"}
 ROW_KEYS = {"name", "model", "schedule", "baseline", "train", "paper"}
-RECIPE_KEYS = {"description", "arch", "train", "generate", "warmup_scale", "lr_lambda_scale"}
+RECIPE_KEYS = {"description", "base", "pairs", "arch", "train", "unset", "decoding", "generate",
+               "tokens_per_update", "warmup_scale", "lr_lambda_scale"}
+#: keys of a recipe's ``decoding`` spec (fairseq generation options, plus GNMT's alpha)
+DECODING_KEYS = {"beam", "gnmt_alpha", "lenpen", "max_len_a", "max_len_b"}
+#: what a recipe does not inherit from its base
+NOT_INHERITED = ("description", "pairs", "base", "unset")
 SCHEDULE_KEYS = {"description", "flags", "warmup"}
 
 
@@ -46,7 +55,11 @@ class Recipe:
     arch: str
     train: List[str]
     generate: List[str]
+    decoding: Dict[str, Union[int, float]] = field(default_factory=dict)
     description: str = ""
+    base: Optional[str] = None
+    pairs: List[str] = field(default_factory=list)
+    tokens_per_update: Optional[int] = None
     warmup_scale: float = 1.0
     lr_lambda_scale: float = 1.0
 
@@ -67,6 +80,16 @@ class Table:
     pairs: List[str]
     rows: List[Row]
     schedules: Dict[str, Schedule]
+    recipes: Dict[str, Recipe] = field(default_factory=dict)
+
+    def recipe_for(self, pair: str) -> Recipe:
+        """The table's recipe, or the recipe that replaces it for ``pair`` (e.g. en-vi rows of a
+        ``ted`` table train with ``iwslt15``: a recipe whose ``base`` is the table's recipe and
+        whose ``pairs`` name ``pair``)."""
+        for recipe in self.recipes.values():
+            if recipe.base == self.recipe.name and pair in recipe.pairs:
+                return recipe
+        return self.recipe
 
     def row(self, name: str) -> Row:
         for row in self.rows:
@@ -106,20 +129,98 @@ def _named_entries(path: str) -> Dict[str, dict]:
     return {name: value for name, value in _read_json(path).items() if not name.startswith("_")}
 
 
+def _check_flag_map(value, where: str) -> Dict[str, Union[str, bool]]:
+    """{"--flag": "value" or true} of a recipe's ``train``/``generate``."""
+    if not isinstance(value, dict):
+        raise NormplugError(f"{where}: expected an object {{\"--flag\": \"value\" or true}}, got {value!r}")
+    for flag, flag_value in value.items():
+        if not flag.startswith("--") or not (isinstance(flag_value, str) or flag_value is True):
+            raise NormplugError(f"{where}: bad flag {flag!r}: {flag_value!r}; write \"--flag\": \"value\" "
+                                f"(or true for a flag without value)")
+    return dict(value)
+
+
+def flag_list(flags: Dict[str, Union[str, bool]]) -> List[str]:
+    """{"--a": "1", "--b": true} -> ["--a", "1", "--b"]."""
+    return [item for flag, value in flags.items() for item in ([flag] if value is True else [flag, value])]
+
+
+def _merged_recipe(name: str, raw: Dict[str, dict], path: str, seen: tuple = ()) -> dict:
+    """The recipe ``name`` with its base's values filled in (bases resolved recursively)."""
+    where = f"{path}: recipe {name!r}"
+    data = raw[name]
+    _check_keys(data, RECIPE_KEYS, where)
+    for key in ("train", "generate"):
+        if key in data:
+            _check_flag_map(data[key], f"{where}: {key!r}")
+    if "decoding" in data:
+        _check_keys(data["decoding"], DECODING_KEYS, f"{where}: 'decoding'")
+    if "base" not in data:
+        for key in ("arch", "train", "decoding", "generate"):
+            if key not in data:
+                raise NormplugError(f"{where}: missing key {key!r} (or a 'base' recipe to take it from)")
+        if "unset" in data:
+            raise NormplugError(f"{where}: 'unset' needs a 'base' recipe")
+        return dict(data)
+    base = data["base"]
+    if base not in raw:
+        raise NormplugError(f"{where}: unknown base {base!r}; choose from {', '.join(sorted(raw))}")
+    if base in seen + (name,):
+        raise NormplugError(f"{where}: base recipes form a cycle ({' -> '.join(seen + (name, base))})")
+    merged = {key: value for key, value in _merged_recipe(base, raw, path, seen + (name,)).items()
+              if key not in NOT_INHERITED}
+    for key, value in data.items():
+        if key in ("train", "generate", "decoding"):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    unset = data.get("unset", [])
+    if not isinstance(unset, list) or not all(isinstance(flag, str) for flag in unset):
+        raise NormplugError(f"{where}: 'unset' must list flags of the base's 'train', got {unset!r}")
+    for flag in unset:
+        if flag not in merged["train"]:
+            raise NormplugError(f"{where}: cannot unset {flag!r}: not a 'train' flag of base {base!r}")
+        del merged["train"][flag]
+    merged["decoding"] = {key: value for key, value in merged["decoding"].items() if value is not None}
+    return merged
+
+
+def _recipe(name: str, data: dict, where: str) -> Recipe:
+    decoding = data["decoding"]
+    if "gnmt_alpha" in decoding and "lenpen" in decoding:
+        raise NormplugError(f"{where}: 'decoding' has both gnmt_alpha and lenpen; set the other to null")
+    if not isinstance(decoding.get("beam"), int) or decoding["beam"] < 1:
+        raise NormplugError(f"{where}: 'decoding' needs an integer beam >= 1, got {decoding.get('beam')!r}")
+    pairs = data.get("pairs", [])
+    if not isinstance(pairs, list) or not all(isinstance(p, str) and p.count("-") == 1 for p in pairs):
+        raise NormplugError(f"{where}: 'pairs' must list language pairs like 'en-vi', got {pairs!r}")
+    recipe = Recipe(name=name, arch=data["arch"], train=flag_list(data["train"]),
+                    generate=flag_list(data["generate"]), decoding=dict(decoding),
+                    description=data.get("description", ""), base=data.get("base"), pairs=list(pairs),
+                    tokens_per_update=data.get("tokens_per_update"),
+                    warmup_scale=float(data.get("warmup_scale", 1.0)),
+                    lr_lambda_scale=float(data.get("lr_lambda_scale", 1.0)))
+    for key in ("warmup_scale", "lr_lambda_scale"):
+        if not 0 < getattr(recipe, key) <= 1:
+            raise NormplugError(f"{where}: {key} must be in (0, 1], got {getattr(recipe, key)}")
+    if recipe.tokens_per_update is not None and (not isinstance(recipe.tokens_per_update, int)
+                                                 or recipe.tokens_per_update < 1):
+        raise NormplugError(f"{where}: tokens_per_update must be a positive integer, got {recipe.tokens_per_update!r}")
+    return recipe
+
+
 def load_recipes(config_dir: str = CONFIG_DIR) -> Dict[str, Recipe]:
+    """Every recipe of ``recipes.json``, bases resolved (see the module docstring)."""
     path = os.path.join(config_dir, "recipes.json")
-    recipes = {}
-    for name, data in _named_entries(path).items():
-        where = f"{path}: recipe {name!r}"
-        _check_keys(data, RECIPE_KEYS, where, required=("arch", "train", "generate"))
-        recipes[name] = Recipe(name=name, arch=data["arch"], train=_check_flags(data["train"], where),
-                               generate=_check_flags(data["generate"], where),
-                               description=data.get("description", ""),
-                               warmup_scale=float(data.get("warmup_scale", 1.0)),
-                               lr_lambda_scale=float(data.get("lr_lambda_scale", 1.0)))
-        for key in ("warmup_scale", "lr_lambda_scale"):
-            if not 0 < getattr(recipes[name], key) <= 1:
-                raise NormplugError(f"{where}: {key} must be in (0, 1], got {getattr(recipes[name], key)}")
+    raw = _named_entries(path)
+    recipes = {name: _recipe(name, _merged_recipe(name, raw, path), f"{path}: recipe {name!r}") for name in raw}
+    claimed: Dict[tuple, str] = {}
+    for recipe in recipes.values():
+        for pair in recipe.pairs:
+            if (recipe.base, pair) in claimed:
+                raise NormplugError(f"{path}: recipes {claimed[(recipe.base, pair)]!r} and {recipe.name!r} "
+                                    f"both replace {recipe.base!r} for {pair}")
+            claimed[(recipe.base, pair)] = recipe.name
     return recipes
 
 
@@ -172,7 +273,7 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
     if not pairs or not all(isinstance(p, str) and p.count("-") == 1 for p in pairs):
         raise NormplugError(f"{path}: 'pairs' must list language pairs like 'gl-en', got {pairs!r}")
     return Table(name=name, title=data.get("title", name), recipe=recipes[data["recipe"]],
-                 pairs=list(pairs), rows=rows, schedules=schedules)
+                 pairs=list(pairs), rows=rows, schedules=schedules, recipes=recipes)
 
 
 def load_data_locations(config_dir: str = CONFIG_DIR) -> Dict[str, str]:

@@ -59,6 +59,7 @@ def result_rows(table: Table, runs: List[Run]) -> List[dict]:
             "sacrebleu_signature": scores.get("sacrebleu_signature"), "p_value": p_value,
             "status": RESULT_STATUS.get(status["status"], status["status"]),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
+            "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
         })
     return out
 

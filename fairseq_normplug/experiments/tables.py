@@ -12,6 +12,8 @@ A result row is a dict with the keys of :data:`FIELDS`:
 * ``tokenized_bleu``: the paper's metric; ``sacrebleu`` + ``sacrebleu_signature``;
 * ``p_value``: paired bootstrap p-value against the row's baseline row (None for a baseline);
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
+* ``selected_update``, ``dev_bleu``: the validation whose checkpoint (best dev BLEU) was
+  tested, and its dev BLEU (tokenized, same decoder as the test BLEU);
 * ``paper_bleu``: the paper's number (filled from configs/paper_results.json when None).
 """
 import contextlib
@@ -29,10 +31,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running")
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
-          "p_value", "status", "updates", "minutes", "paper_bleu")
+          "p_value", "status", "updates", "minutes", "paper_bleu", "selected_update", "dev_bleu")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
-FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu")
-INT_FIELDS = ("updates",)
+FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu", "dev_bleu")
+INT_FIELDS = ("updates", "selected_update")
 SIGNIFICANCE_MARKS = ((0.01, "\u2021"), (0.05, "\u2020"))  # double dagger, dagger
 LEGEND = (
     "Cells: our test BLEU (tokenized, multi-bleu.perl equivalent), the paper's number in "
@@ -198,14 +200,17 @@ def _table_section(table: str, runs: List[dict], paper: dict) -> List[str]:
 def _runs_section(rows: List[dict]) -> List[str]:
     signatures = list(dict.fromkeys(r["sacrebleu_signature"] for r in rows if r["sacrebleu_signature"]))
     lines = ["## Runs", "",
-             "| table | row | config | pair | status | updates | minutes | BLEU | sacreBLEU | p |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
+             "Selected: the update of the tested checkpoint (best dev BLEU); dev BLEU and test BLEU "
+             "are both tokenized BLEU of that checkpoint with the same decoder.", "",
+             "| table | row | config | pair | status | updates | minutes | selected | dev BLEU | BLEU | sacreBLEU | p |",
+             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         sacre = _num(r["sacrebleu"])
         if sacre and len(signatures) > 1:
             sacre += f" [{signatures.index(r['sacrebleu_signature']) + 1}]"
         values = [r["table"], r["row"], r["config"], r["pair"], r["status"],
                   "" if r["updates"] is None else r["updates"], _num(r["minutes"], 1),
+                  "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
                   _num(r["tokenized_bleu"]), sacre, "" if r["p_value"] is None else f"{r['p_value']:.3g}"]
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")

@@ -41,7 +41,7 @@ from fairseq_normplug.prepare.text import (
 SPLITS = ("train", "valid", "test")
 EVAL_SPLITS = ("valid", "test")
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: explicit subword_method
 
 
 @dataclass
@@ -227,6 +227,7 @@ def _build(corpus: Corpus, options: Options, recipe: dict, root: str, log: Log) 
         "manifest_version": MANIFEST_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": recipe,
+        "subword_method": method.name,  # fairseq's post-processing name (--remove-bpe); read by the runner
         "source": source,
         "commands": commands,
         "line_counts": counts,

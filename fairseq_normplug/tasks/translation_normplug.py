@@ -4,6 +4,9 @@ paper's recipe that are not model flags (NOTES.md, TED recipe):
 * ``--word-dropout P``: in training only, each non-special token of the source and of the
   decoder input becomes ``<unk>`` with probability P (targets untouched). P = 0 (default)
   draws no random number at all, so training is bit-identical to ``--task translation``.
+* dev BLEU with ``--eval-tokenized-bleu`` is unsmoothed, like ``multi-bleu.perl`` and the test
+  score (fairseq's translation task hard-codes sacreBLEU's ``exp`` smoothing, which differs
+  from the paper's metric when an n-gram precision is 0).
 * ``--gnmt-alpha A``: beam search ranks finished hypotheses by GNMT length normalisation,
   log P(Y|X) / ((5 + |Y|) / 6) ** A (Wu et al. 2016, eq. 14; |Y| counts EOS), instead of
   fairseq's ``--lenpen``. Used by fairseq-generate, fairseq-interactive (both take
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from fairseq.logging import metrics
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
@@ -45,6 +49,16 @@ def check_config(cfg) -> None:
         raise NormplugError(f"--word-dropout must be in [0, 1), got {cfg.word_dropout}")
     if cfg.gnmt_alpha is not None and cfg.gnmt_alpha < 0:
         raise NormplugError(f"--gnmt-alpha must be >= 0 (or left out: fairseq's --lenpen), got {cfg.gnmt_alpha}")
+
+
+def unsmoothed_bleu(meters) -> float:
+    """Corpus BLEU of the summed dev n-gram statistics without smoothing (multi-bleu.perl)."""
+    from sacrebleu.metrics import BLEU
+
+    bleu = BLEU.compute_bleu(correct=meters["_bleu_counts"].sum, total=meters["_bleu_totals"].sum,
+                             sys_len=int(meters["_bleu_sys_len"].sum), ref_len=int(meters["_bleu_ref_len"].sum),
+                             smooth_method="none")
+    return round(bleu.score, 2)
 
 
 def _rank() -> int:
@@ -88,6 +102,13 @@ class TranslationNormplugTask(TranslationTask):
         if self.cfg.word_dropout > 0 and sample:
             sample = self.apply_word_dropout(sample, self.word_dropout_generator(update_num))
         return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+
+    def reduce_metrics(self, logging_outputs, criterion):
+        if self.cfg.eval_bleu and self.cfg.eval_tokenized_bleu:
+            totals = [sum(log.get(f"_bleu_totals_{i}", 0) for log in logging_outputs) for i in range(4)]
+            if max(totals) > 0:  # registered first, so the parent's smoothed "bleu" is not
+                metrics.log_derived("bleu", unsmoothed_bleu)
+        super().reduce_metrics(logging_outputs, criterion)
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
