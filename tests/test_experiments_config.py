@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.configs import CONFIG_DIR, available_tables, load_table
+from fairseq_normplug.experiments.configs import CONFIG_DIR, available_tables, load_recipes, load_table
 from fairseq_normplug.experiments.runner import progress_line, scaled_schedule_flags
 
 NORM_FLAGS = {"--scalenorm", "--rmsnorm", "--dyt"}
@@ -89,3 +89,118 @@ def test_progress_line_summarises_validation_records():
     record["valid_best_bleu"] = "5.1"
     assert progress_line(run, prefix + json.dumps(record)).endswith("dev BLEU 4.48 (best 5.1)")
     assert progress_line(run, "2026-11-30 | INFO | train_inner | {}") is None
+
+
+# --- recipes: base + differences, per pair; what the runner derives from them ------------
+
+def _run(table_name, pair, data_dir, row=0):
+    from fairseq_normplug.experiments.runner import Run
+
+    table = load_table(table_name)
+    return Run(table=table, row=table.rows[row], pair=pair, data_dir=str(data_dir), run_dir=str(data_dir / "run"))
+
+
+def _value(command, flag):
+    from fairseq_normplug.experiments.runner import last_flag_value
+
+    return last_flag_value(command, flag)
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt", "versions": {
+        "sentencepiece": "0.2.0"}}))  # a method's name elsewhere in the text does not count
+    return tmp_path
+
+
+def test_recipes_are_a_base_plus_differences():
+    recipes = load_recipes()
+    ted, iwslt = recipes["ted"], recipes["iwslt15"]
+    assert iwslt.base == "ted" and iwslt.pairs == ["en-vi"] and iwslt.decoding == ted.decoding
+    differ = {f for f in ted.train[::2] if _value(ted.train, f) != _value(iwslt.train, f)}
+    assert differ == {"--max-update", "--validate-interval-updates"}
+    assert _value(iwslt.train, "--validate-interval-updates") == "1500"
+    assert "--word-dropout" in ted.train and "--word-dropout" not in recipes["wmt14"].train
+    assert ted.decoding == {"beam": 4, "gnmt_alpha": 0.6, "max_len_a": 0, "max_len_b": 200}
+    assert recipes["wmt14"].decoding == {"beam": 4, "lenpen": 0.6, "max_len_a": 0, "max_len_b": 200}
+
+
+@pytest.mark.parametrize("name", [t for t in available_tables() if "en-vi" in load_table(t).pairs])
+def test_en_vi_rows_use_the_iwslt15_recipe_in_every_table(name, data_dir):
+    run = _run(name, "en-vi", data_dir)
+    assert run.recipe.name == "iwslt15"
+    command = run.train_command()
+    assert _value(command, "--validate-interval-updates") == "1500"
+    assert _value(command, "--save-interval-updates") == "1500" and _value(command, "--max-update") == "300000"
+    if "gl-en" in load_table(name).pairs:
+        assert _run(name, "gl-en", data_dir).recipe.name == "ted"
+
+
+def test_dev_and_test_share_one_decoder_and_the_manifest_post_processing(data_dir):
+    from fairseq_normplug.experiments.runner import generate_command
+
+    for method in ("subword_nmt", "sentencepiece"):
+        (data_dir / "manifest.json").write_text(json.dumps({"subword_method": method}))
+        run = _run("table3", "gl-en", data_dir)
+        train, test = run.train_command(), generate_command(run, "best.pt")
+        dev_args = json.loads(_value(train, "--eval-bleu-args"))
+        assert dev_args == {"beam": 4, "max_len_a": 0, "max_len_b": 200}
+        assert {k: _value(test, f"--{k.replace('_', '-')}") for k in dev_args} == {k: str(v) for k, v in dev_args.items()}
+        assert _value(train, "--gnmt-alpha") == _value(test, "--gnmt-alpha") == "0.6"
+        assert "--eval-tokenized-bleu" in train and "--lenpen" not in test
+        assert _value(train, "--eval-bleu-remove-bpe") == _value(test, "--remove-bpe") == method
+        assert _value(train, "--task") == _value(test, "--task") == "translation_normplug"
+
+
+def test_post_processing_of_older_and_bad_manifests(data_dir):
+    from fairseq_normplug.experiments.runner import subword_method
+
+    assert subword_method(str(data_dir)) == "subword_nmt"
+    (data_dir / "manifest.json").write_text(json.dumps({"recipe": {"bpe": "sentencepiece"}}))  # version 1
+    assert subword_method(str(data_dir)) == "sentencepiece"
+    (data_dir / "manifest.json").write_text(json.dumps({"recipe": {}}))
+    with pytest.raises(NormplugError, match="subword_method None is not one of subword_nmt, sentencepiece"):
+        subword_method(str(data_dir))
+    (data_dir / "manifest.json").unlink()
+    with pytest.raises(NormplugError, match="no readable manifest.json"):
+        subword_method(str(data_dir))
+
+
+def test_checkpoints_are_saved_at_every_effective_validation(data_dir):
+    run = _run("table3", "gl-en", data_dir)
+    assert _value(run.train_command(), "--save-interval-updates") == "1000"
+    command = run.train_command(["--validate-interval-updates=250"])
+    assert _value(command, "--save-interval-updates") == "250" and _value(command, "--keep-interval-updates") == "1"
+
+
+@pytest.mark.parametrize("extra,gpus,update_freq", [
+    ([], 0, "7"), ([], 1, "7"), ([], 8, "1"), (["--distributed-world-size", "2"], 8, "4"),
+    (["--max-tokens", "3584", "--distributed-world-size", "8"], 0, "1"),
+])
+def test_wmt14_update_freq_follows_the_world_size(data_dir, monkeypatch, extra, gpus, update_freq):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    run = _run("table6", "en-de", data_dir)
+    command = run.train_command(extra)
+    assert _value(command, "--update-freq") == update_freq
+    world = int(_value(command, "--distributed-world-size") or max(gpus, 1))
+    assert int(_value(command, "--max-tokens")) * world * int(update_freq) >= 28672
+    assert _value(_run("table3", "gl-en", data_dir).train_command(), "--update-freq") is None
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda r: r["iwslt15"].update(base="tedd"), "recipe 'iwslt15': unknown base 'tedd'; choose from"),
+    (lambda r: r["wmt14"].update(unset=["--word-dropot"]), "cannot unset '--word-dropot'"),
+    (lambda r: r["ted"].update(base="cpu_small"), "base recipes form a cycle"),
+    (lambda r: r["ted"]["decoding"].update(beem=4), "'decoding': unknown key 'beem'"),
+    (lambda r: r["cpu_small"].update(pairs=["en-vi"]), "both replace 'ted' for en-vi"),
+    (lambda r: r["ted"]["train"].update({"--max-update": 5}), "bad flag '--max-update': 5"),
+])
+def test_recipe_errors_name_the_problem(config_copy, change, message):
+    recipes = json.loads((config_copy / "recipes.json").read_text())
+    change(recipes)
+    (config_copy / "recipes.json").write_text(json.dumps(recipes))
+    with pytest.raises(NormplugError) as error:
+        load_recipes(str(config_copy))
+    assert message in str(error.value) and "recipes.json" in str(error.value)

@@ -113,6 +113,7 @@ def test_ted_stages_line_counts_and_content(ted_gl_en):
                                           "test": len(expected["test"])}
     assert info["train_filter"] == {"kept": train_kept, "dropped": 1}
     assert info["recipe"]["bpe"] == "subword_nmt" and info["recipe"]["bpe_merges"] == 50
+    assert info["subword_method"] == "subword_nmt" and info["manifest_version"] == 2
     assert info["subword_model"]["merges_learned"] == 50
     assert info["source"]["archive"]["size"] == os.path.getsize(info["source"]["archive"]["path"])
     assert any(cmd.startswith("fairseq-preprocess") and "--joined-dictionary" in cmd
