@@ -22,7 +22,8 @@ def run(table, row, pair, status="ok", **fields):
 
 
 ROWS = [
-    run("table3", FINAL, "gl-en", tokenized_bleu=21.5, p_value=0.004, updates=12000, minutes=95.25, sacrebleu=20.1,
+    run("table3", FINAL, "gl-en", tokenized_bleu=21.5, p_value=0.004, updates=12000, minutes=95.25,
+        selected_update=11000, dev_bleu=23.4, sacrebleu=20.1,
         sacrebleu_signature="nrefs:1|case:mixed|tok:13a"),
     run("table3", BASE, "sk-en", tokenized_bleu=29.0, updates=30000, minutes=200.0),
     run("table3", BASE, "gl-en", tokenized_bleu=19.0, updates=11000, minutes=80.0),
@@ -69,7 +70,7 @@ def test_write_results_csv_and_markdown(tmp_path):
     assert f"| {FINAL} | 26.90 (27.57) |" in md
     assert "\u2020 p < 0.05, \u2021 p < 0.01" in md
     # every run; the sacreBLEU signature's pipes stay out of the table
-    assert f"| table3 | {FINAL} | table3/gl-en/{FINAL} | gl-en | ok | 12000 | 95.2 | 21.50 | 20.10 | 0.004 |" in md
+    assert f"| table3 | {FINAL} | table3/gl-en/{FINAL} | gl-en | ok | 12000 | 95.2 | 11000 | 23.40 | 21.50 | 20.10 | 0.004 |" in md
     assert "sacreBLEU signature: `nrefs:1|case:mixed|tok:13a`" in md
 
 
