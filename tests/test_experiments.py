@@ -119,7 +119,7 @@ def test_best_checkpoint_is_the_best_dev_bleu_and_dev_decodes_like_test(tiny_tab
     best dev BLEU (fairseq's ties go to the later one), not the last; and fairseq-generate with
     the test set's decoder reproduces that dev BLEU on the dev set."""
     from fairseq_normplug.experiments import bleu
-    from fairseq_normplug.experiments.configs import Recipe, Schedule
+    from fairseq_normplug.experiments.configs import Schedule
     from fairseq_normplug.experiments.runner import Run, evaluate, generate_command, selected_checkpoint, train
     from fairseq_normplug.experiments.training_log import parse_training_log
 

@@ -145,7 +145,8 @@ def test_dev_and_test_share_one_decoder_and_the_manifest_post_processing(data_di
         train, test = run.train_command(), generate_command(run, "best.pt")
         dev_args = json.loads(_value(train, "--eval-bleu-args"))
         assert dev_args == {"beam": 4, "max_len_a": 0, "max_len_b": 200}
-        assert {k: _value(test, f"--{k.replace('_', '-')}") for k in dev_args} == {k: str(v) for k, v in dev_args.items()}
+        test_args = {k: _value(test, f"--{k.replace('_', '-')}") for k in dev_args}
+        assert test_args == {k: str(v) for k, v in dev_args.items()}
         assert _value(train, "--gnmt-alpha") == _value(test, "--gnmt-alpha") == "0.6"
         assert "--eval-tokenized-bleu" in train and "--lenpen" not in test
         assert _value(train, "--eval-bleu-remove-bpe") == _value(test, "--remove-bpe") == method

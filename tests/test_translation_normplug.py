@@ -1,6 +1,5 @@
 """--task translation_normplug: GNMT length normalisation on finished hypotheses, word
 dropout statistics, and bit-identical training with word dropout off."""
-import math
 
 import pytest
 import torch
