@@ -65,17 +65,18 @@ def test_cuda_probe(tmp_path):
     assert cuda_present(which=lambda name: None, driver_file=str(driver))
 
 
-@pytest.mark.parametrize("cuda,expect", [("1", "cuda"), ("0", "cpu")])
-def test_setup_env_plan_from_the_command_line(cuda, expect):
-    """What scripts/setup_env.sh reads: four lines, the probe answer forced by NORMPLUG_CUDA
-    (with NORMPLUG_TORCH_INDEX given, no network is needed)."""
-    env = {**os.environ, "NORMPLUG_CUDA": cuda, "NORMPLUG_TORCH_INDEX": ""}
-    if cuda == "0":
-        env["NORMPLUG_TORCH_INDEX"] = CPU_INDEX
+@pytest.mark.parametrize("env,plan", [
+    ({"NORMPLUG_CUDA": "1"}, ["torch==2.13.0", "", "cuda"]),
+    ({"NORMPLUG_CUDA": "0", "NORMPLUG_TORCH_INDEX": CPU_INDEX, "NORMPLUG_TORCH": "torch==2.6.0"},
+     ["torch==2.6.0", CPU_INDEX, "user"]),
+])
+def test_setup_env_plan_from_the_command_line(env, plan):
+    """What scripts/setup_env.sh reads: spec, index, expected build and a reason, one a line
+    (the driver probe forced by NORMPLUG_CUDA; these two need no network)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NORMPLUG_TORCH")}, **env}
     out = subprocess.run([sys.executable, PLAN_PY, "torch"], capture_output=True, text=True,
                          env=env, check=True).stdout.split("\n")
-    assert out[0] == "torch==2.13.0"
-    assert out[1:3] == (["", "cuda"] if cuda == "1" else [CPU_INDEX, "user"])
+    assert out[:3] == plan and out[3]
 
 
 CUDA_REPORT = {"install": [

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -409,6 +410,8 @@ def run(args) -> Report:
     trainer = None
     checkpoint = os.path.join(workdir, "checkpoints", f"{FIXNORM_ROW}-{precisions[0]}",
                               "checkpoint_last.pt")
+    # never resume from (or decode) an earlier run's checkpoint
+    shutil.rmtree(os.path.dirname(checkpoint), ignore_errors=True)
     if "train_half" in sections or "generate" in sections:
         jobs = []
         for precision in precisions:
