@@ -49,9 +49,9 @@ if [ "$TORCH_EXPECT" = cpu ] && [ -z "$TORCH_INDEX" ]; then
   "$VENV/bin/python" "$PLAN_PY" check-report "$report"
 fi
 "${PIP[@]}" install -q "${torch_args[@]}"
-log "$("$VENV/bin/python" "$PLAN_PY" check-installed "$TORCH_EXPECT")"
+log "$(PYTHONWARNINGS=ignore "$VENV/bin/python" "$PLAN_PY" check-installed "$TORCH_EXPECT")"
 # Every later install must keep exactly the torch that is now there.
-torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+torch_version=$(PYTHONWARNINGS=ignore "$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
 constraints="$VENV/normplug-constraints.txt"
 echo "torch==$torch_version" > "$constraints"
 PIPC=("${PIP[@]}" install -q -c "$constraints")
@@ -64,6 +64,7 @@ if ! "$VENV/bin/python" -c 'import fairseq' >/dev/null 2>&1; then
 fi
 # the plugin with its requirements (fairseq's runtime ones, tensorboardX, ...; see setup.py)
 "${PIPC[@]}" --no-build-isolation -e "$ROOT[test]"
+log "(pip's note that fairseq requires torchaudio, which is not installed, is expected: see above)"
 "$VENV/bin/python" -c 'import fairseq_normplug' || { log "plugin import failed"; exit 1; }
 echo "$settings" > "$stamp"
 log "ready: $VENV"
