@@ -64,7 +64,7 @@ if ! "$VENV/bin/python" -c 'import fairseq' >/dev/null 2>&1; then
 fi
 # the plugin with its requirements (fairseq's runtime ones, tensorboardX, ...; see setup.py)
 "${PIPC[@]}" --no-build-isolation -e "$ROOT[test]"
-log "(pip's note that fairseq requires torchaudio, which is not installed, is expected: see above)"
+log "(a pip note that fairseq requires torchaudio is expected: fairseq is installed without its requirements)"
 "$VENV/bin/python" -c 'import fairseq_normplug' || { log "plugin import failed"; exit 1; }
 echo "$settings" > "$stamp"
 log "ready: $VENV"
