@@ -15,6 +15,8 @@ label_smoothing_g      Tears Fig. 4: decoder g with and   ``g:dec*`` in two logs
                        without label smoothing            ``--label-smoothing`` differs
 dyt_alpha              DyT: final alpha per layer; alpha  ``alpha:<norm>``, ``in_std:<norm>``
                        vs 1/std over training             (``--dyt --norm-stats-interval N``)
+dyt_saturation         DyT: saturated fraction (|alpha x|  ``sat:<norm>`` (``--dyt
+                       > 2) of every norm over training   --norm-stats-interval N``)
 =====================  =================================  ===================================
 
 Command line (makes every figure the logs support, says why it skips the others)::
@@ -33,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 # importing fairseq (via the plugin package) sets the root logger to DEBUG; keep
 # matplotlib's font-search chatter out of the output
 logging.getLogger("matplotlib").setLevel(logging.WARNING)
+from matplotlib import colormaps  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from fairseq_normplug.errors import NormplugError  # noqa: E402
@@ -234,12 +237,41 @@ def plot_dyt_alpha(logs: Logs, path: str) -> dict:
     return {"final_alpha": final_alpha, "tracked_log": tracked_label, "tracked": tracked}
 
 
+def cm_color(index: int, count: int):
+    """The ``index``-th of ``count`` colours spread over the viridis map (forward order)."""
+    return colormaps["viridis"](index / max(count - 1, 1))
+
+
+def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[List[float], List[float]]]]:
+    """The saturated fraction of every DyT norm's input (``|alpha x| > 2``, tanh's flat
+    part) over training, one panel per log, one line per norm (forward order). Returns
+    {label: {norm: (updates, fraction)}}."""
+    chosen = _logs_with(logs, lambda log: bool(log.latest("train_inner", "sat:")), "dyt_saturation",
+                        "sat:<norm> keys (train with --dyt --norm-stats-interval N)")
+    data = {label: {name: log.series("train_inner", f"sat:{name}")
+                    for name in _sorted_norms(log.latest("train_inner", "sat:"))}
+            for label, log in chosen.items()}
+    fig = Figure(figsize=(6.5 * len(data), 4.5), layout="constrained")
+    axes = fig.subplots(1, len(data), squeeze=False)[0]
+    for ax, (label, series) in zip(axes, data.items()):
+        for index, (name, (updates, fractions)) in enumerate(series.items()):
+            ax.plot(updates, fractions, color=cm_color(index, len(series)), linewidth=1.2, label=name)
+        ax.set(title=label, xlabel="updates", ylabel="saturated fraction")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle("DyT inputs in tanh's flat part, |alpha x| > 2 (cf. Transformers without "
+                 "Normalization, Section 5)")
+    _save(fig, path)
+    return data
+
+
 FIGURES: Dict[str, Tuple[str, Callable[[Logs, str], object]]] = {
     "dev_bleu": ("fig1_dev_bleu.png", plot_dev_bleu),
     "grad_norm": ("fig2_grad_norm.png", plot_grad_norm),
     "scalenorm_g": ("fig3_scalenorm_g.png", plot_scalenorm_g),
     "label_smoothing_g": ("fig4_label_smoothing_g.png", plot_label_smoothing_g),
     "dyt_alpha": ("dyt_alpha.png", plot_dyt_alpha),
+    "dyt_saturation": ("dyt_saturation.png", plot_dyt_saturation),
 }
 
 

@@ -9,6 +9,10 @@ from fairseq_normplug.modules.fused import (
     Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
 )
 
+#: |alpha x| above this is the flat part of tanh (tanh(2) = 0.96): the DyT paper's
+#: "saturated" inputs, section 5
+SATURATION_THRESHOLD = 2.0
+
 SQUASH_FUNCTIONS = {
     "tanh": torch.tanh,
     "hardtanh": F.hardtanh,
@@ -134,6 +138,12 @@ class DynamicTanh(nn.Module):
         """:func:`dynamic_tanh_reference` with this module's parameters, in float32."""
         return dynamic_tanh_reference(upcast(x), upcast(self.alpha), upcast(self.weight),
                                       upcast(self.bias), self.squash).to(x.dtype)
+
+    def saturated_fraction(self, x: torch.Tensor) -> float:
+        """Fraction of the elements of ``x`` in the squash's flat part, ``|alpha x| >
+        SATURATION_THRESHOLD`` (logged by ``--norm-stats-interval``, plotted by plot_norms)."""
+        with torch.no_grad():
+            return float(((x.float() * self.alpha.float()).abs() > SATURATION_THRESHOLD).float().mean())
 
     def fast_path(self, x: torch.Tensor) -> str:
         """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""

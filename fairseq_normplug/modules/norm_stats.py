@@ -1,11 +1,13 @@
 """Cheap training-time records of every norm layer, for the papers' figures: ScaleNorm g
 ("Transformers without Tears", Fig. 3-4), DyT alpha against 1/std of its input (DyT paper,
-section 6), and the mean gain of LayerNorm/RMSNorm/DyT.
+section 6), the mean gain of LayerNorm/RMSNorm/DyT and, for DyT, the saturated fraction of
+its input (``|alpha x| > 2``, the flat part of tanh).
 
 Forward pre-hooks read each norm's input only on sampled updates (every ``interval``
 updates, training mode only) and log into fairseq's metrics, so the values land in the
 ``train_inner`` records of the training log under keys such as ``g:dec2.ffn``,
-``alpha:enc0.attn``, ``gain:enc1.ffn`` and ``in_std:dec0.cross``. With interval 0 no hook
+``alpha:enc0.attn``, ``gain:enc1.ffn``, ``in_std:dec0.cross`` and ``sat:enc0.ffn``
+(any norm with a ``saturated_fraction(x)`` method: DyT). With interval 0 no hook
 is installed at all.
 """
 from typing import Dict
@@ -47,6 +49,8 @@ class NormStatsRecorder:
                 return
             with torch.no_grad():
                 metrics.log_scalar(f"in_std:{name}", float(inputs[0].float().std()), round=4)
+                if hasattr(module, "saturated_fraction"):
+                    metrics.log_scalar(f"sat:{name}", module.saturated_fraction(inputs[0]), round=4)
                 for stat, value in norm_scale_stats(module).items():
                     metrics.log_scalar(f"{stat}:{name}", value, round=4)
 
