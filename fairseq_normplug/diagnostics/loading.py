@@ -148,8 +148,8 @@ def real_rows(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def norm_recorder(model) -> Iterator[Dict[str, dict]]:
     """Forward hooks on every norm site (``named_norms``); yields {site: {"module": norm,
-    "x": [inputs], "y": [outputs]}}, filled as the model runs. Each entry of x/y is the
-    full (time, batch, C) tensor of one forward pass (see :func:`collect_norm_activations`)."""
+    "x": [inputs], "y": [outputs]}}, filled as the model runs: the full (time, batch, C)
+    tensors of each forward pass (see :func:`collect_norm_activations`)."""
     records = {name: {"module": norm, "x": [], "y": []} for name, norm in named_norms(model).items()}
 
     def hook(name):
@@ -170,21 +170,26 @@ def collect_norm_activations(loaded: LoadedCheckpoint, samples: List[dict]
                              ) -> Dict[str, Tuple[nn.Module, torch.Tensor, torch.Tensor]]:
     """{site: (norm module, inputs, outputs)} at the real (non-padding) token positions of
     ``samples`` (teacher-forced forward passes in evaluation mode), each a (rows, C) matrix."""
-    model, task = loaded.model, loaded.task
     xs: Dict[str, list] = {}
     ys: Dict[str, list] = {}
-    with torch.no_grad(), norm_recorder(model) as records:
-        for sample in samples:
-            for entry in records.values():
-                entry["x"].clear()
-                entry["y"].clear()
-            model(**sample["net_input"])
-            masks = padding_masks(task, sample)
+    with norm_recorder(loaded.model) as records:
+        for masks in teacher_forced(loaded, samples):
             for name, entry in records.items():
                 mask = masks[name[:3]]
                 xs.setdefault(name, []).extend(real_rows(x, mask) for x in entry["x"])
                 ys.setdefault(name, []).extend(real_rows(y, mask) for y in entry["y"])
+                entry["x"].clear()
+                entry["y"].clear()
     return {name: (records[name]["module"], torch.cat(xs[name]), torch.cat(ys[name])) for name in xs}
+
+
+def teacher_forced(loaded: LoadedCheckpoint, samples: List[dict]) -> Iterator[Dict[str, torch.Tensor]]:
+    """Run the model on each sample (teacher forcing, no gradients) and yield the sample's
+    :func:`padding_masks` after its forward pass, for hooks to pick their rows."""
+    with torch.no_grad():
+        for sample in samples:
+            loaded.model(**sample["net_input"])
+            yield padding_masks(loaded.task, sample)
 
 
 def dev_loss(model, task, criterion, max_tokens: int = 4000, split: str = "valid") -> Dict[str, float]:

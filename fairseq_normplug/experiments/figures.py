@@ -83,7 +83,8 @@ def _logs_with(logs: Logs, select: Callable[[TrainingLog], bool], figure: str, n
     return chosen
 
 
-def _save(fig: Figure, path: str) -> None:
+def save_figure(fig: Figure, path: str) -> None:
+    """Write ``fig`` to ``path`` as a PNG, atomically."""
     with atomic_output(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
@@ -100,7 +101,7 @@ def _line_figure(series: Dict[str, Tuple[List[float], List[float]]], path: str, 
     ax.set(title=title, xlabel="updates", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_dev_bleu(logs: Logs, path: str) -> Dict[str, Tuple[List[float], List[float]]]:
@@ -155,7 +156,7 @@ def plot_scalenorm_g(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[list, L
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
     fig.suptitle("Learned ScaleNorm g per layer (cf. Transformers without Tears, Fig. 3)")
-    _save(fig, path)
+    save_figure(fig, path)
     return data
 
 
@@ -189,7 +190,7 @@ def plot_label_smoothing_g(logs: Logs, path: str) -> Dict[str, Tuple[List[str], 
                  "(cf. Transformers without Tears, Fig. 4)", xlabel="decoder norm", ylabel="g")
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
     return data
 
 
@@ -233,7 +234,7 @@ def plot_dyt_alpha(logs: Logs, path: str) -> dict:
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
     fig.suptitle("DyT alpha (cf. Transformers without Normalization, Section 6)")
-    _save(fig, path)
+    save_figure(fig, path)
     return {"final_alpha": final_alpha, "tracked_log": tracked_label, "tracked": tracked}
 
 
@@ -261,7 +262,7 @@ def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[List
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("DyT inputs in tanh's flat part, |alpha x| > 2 (cf. Transformers without "
                  "Normalization, Section 5)")
-    _save(fig, path)
+    save_figure(fig, path)
     return data
 
 
