@@ -261,7 +261,7 @@ def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[List
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("DyT inputs in tanh's flat part, |alpha x| > 2 (cf. Transformers without "
-                 "Normalization, Section 5)")
+                 "Normalization, Sections 3-4)")
     save_figure(fig, path)
     return data
 

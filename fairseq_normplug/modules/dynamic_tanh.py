@@ -10,7 +10,7 @@ from fairseq_normplug.modules.fused import (
 )
 
 #: |alpha x| above this is the flat part of tanh (tanh(2) = 0.96): the DyT paper's
-#: "saturated" inputs, section 5
+#: extreme inputs it squashes (sections 3-4)
 SATURATION_THRESHOLD = 2.0
 
 SQUASH_FUNCTIONS = {
