@@ -11,13 +11,14 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms, output_norm
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
+from fairseq_normplug.modules.identity_norm import IdentityNorm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
 from model_helpers import build, parse_args, toy_batch
 
 LAYERNORM_CLASS = type(LayerNorm(4))
 NORM_CLASSES = {"layernorm": LAYERNORM_CLASS, "scalenorm": ScaleNorm, "rmsnorm": RMSNorm,
-                "dyt": DynamicTanh}
+                "dyt": DynamicTanh, "identity": IdentityNorm}
 TINY = "transformer_normplug_tiny"
 
 
@@ -30,7 +31,7 @@ def norm_flags(prenorm, norm_type, fixnorm, init):
 
 
 @pytest.mark.parametrize("prenorm,norm_type,fixnorm,init", list(itertools.product(
-    [False, True], ["layernorm", "scalenorm", "rmsnorm", "dyt"], [False, True],
+    [False, True], ["layernorm", "scalenorm", "rmsnorm", "dyt", "identity"], [False, True],
     ["fairseq", "xavier", "smallinit"])))
 def test_every_combination_builds_with_the_right_modules(tiny_bin, prenorm, norm_type, fixnorm, init):
     model, task, _ = build(tiny_bin, TINY, *norm_flags(prenorm, norm_type, fixnorm, init))

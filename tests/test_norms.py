@@ -48,6 +48,13 @@ def test_dyt_formula(squash, fn):
     torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_identity_returns_its_input():
+    norm = build_norm(NormSpec(norm_type="identity"), D, FFN)
+    x = torch.randn(2, 3, D, requires_grad=True)
+    assert norm(x) is x and norm.reference(x) is x
+    assert list(norm.parameters()) == []
+
+
 def test_dyt_init_values():
     norm = DynamicTanh(D, alpha_init=0.8)
     assert norm.alpha.item() == pytest.approx(0.8)
@@ -73,14 +80,14 @@ def test_gradcheck_float64(make):
 
 
 @pytest.mark.parametrize("norm_type,count", [("layernorm", 2 * D), ("scalenorm", 1), ("rmsnorm", D),
-                                             ("dyt", 2 * D + 1)])
+                                             ("dyt", 2 * D + 1), ("identity", 0)])
 def test_parameter_counts(norm_type, count):
     norm = build_norm(NormSpec(norm_type=norm_type), D, FFN)
     assert sum(p.numel() for p in norm.parameters()) == count
 
 
 def test_registry_types_and_roles():
-    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt"}
+    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt", "identity"}
     assert isinstance(build_norm(NormSpec(), D, FFN), type(LayerNorm(D)))
     spec = NormSpec(norm_type="dyt", dyt_alpha_init=0.2, dyt_attn_alpha_init=0.8, dyt_freeze_alpha=True)
     assert build_norm(spec, D, ATTENTION).alpha.item() == pytest.approx(0.8)

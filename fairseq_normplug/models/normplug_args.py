@@ -39,7 +39,8 @@ def add_normplug_args(parser) -> None:
     add("--postnorm", action="store_true",
         help="PostNorm (the default): norm after each residual addition; no final norms")
     add("--norm-type", choices=NORM_TYPES,
-        help="the norm used everywhere (sublayers and final norms); default layernorm")
+        help="the norm used everywhere (sublayers and final norms); default layernorm; "
+             "identity = no normalization (output = input, no parameters)")
     add("--scalenorm", action="store_true", help="shorthand for --norm-type scalenorm: g*x/||x||")
     add("--rmsnorm", action="store_true", help="shorthand for --norm-type rmsnorm")
     add("--dyt", action="store_true", help="shorthand for --norm-type dyt: gamma*tanh(alpha*x)+beta")

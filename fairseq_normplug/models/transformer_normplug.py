@@ -47,7 +47,7 @@ class FixNormTransformerDecoder(TransformerDecoderBase):
 class TransformerNormplugModel(TransformerModel):
     """Transformer with pluggable residual placement, norm type, FixNorm and init.
 
-    Flags: ``--prenorm``, ``--norm-type {layernorm,scalenorm,rmsnorm,dyt}`` (shorthands
+    Flags: ``--prenorm``, ``--norm-type {layernorm,scalenorm,rmsnorm,dyt,identity}`` (shorthands
     ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
     ``--weight-init``; see ``fairseq-train --arch transformer_normplug --help``.
     """

@@ -7,10 +7,11 @@ from fairseq.modules import LayerNorm
 from torch import nn
 
 from fairseq_normplug.modules.dynamic_tanh import SQUASH_FUNCTIONS, DynamicTanh
+from fairseq_normplug.modules.identity_norm import IdentityNorm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
 
-NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "dyt")
+NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "dyt", "identity")
 DYT_SQUASH_CHOICES = tuple(SQUASH_FUNCTIONS)
 
 #: where a norm sits; DyT takes a separate alpha init for the attention blocks' norms
@@ -48,4 +49,6 @@ def build_norm(spec: NormSpec, dim: int, role: str, feeds_output: bool = False) 
             alpha = spec.dyt_attn_alpha_init
         return DynamicTanh(dim, alpha_init=alpha, squash=spec.dyt_squash,
                            learnable_alpha=not spec.dyt_freeze_alpha)
+    if spec.norm_type == "identity":
+        return IdentityNorm(dim)
     raise ValueError(f"unknown norm type {spec.norm_type!r}; choose from {', '.join(NORM_TYPES)}")
