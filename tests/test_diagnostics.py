@@ -18,6 +18,7 @@ from fairseq_normplug.diagnostics.attention import attention_logits, query_stati
 from fairseq_normplug.diagnostics.loading import batches, collect_norm_activations, load_checkpoint
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
+from fairseq_normplug.modules.derf import Derf
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 
 TINY_STOCK = ["--arch", "transformer", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
@@ -91,6 +92,20 @@ def test_calibrated_alpha_fits_better_than_the_default(trained, tiny_bin, conver
         module, info = fitting.fit_dyt(layer_norm, x, y, refit_gamma=False)
         assert torch.equal(module.weight, layer_norm.weight) and info["mse"] < info["naive_mse"]
         assert info["mse"] == pytest.approx(fitting.mean_squared_error(module(x).detach(), y), rel=1e-4)
+        derf, info = fitting.fit_derf(layer_norm, x, y)
+        assert info["mse"] < info["naive_mse"] and -1 <= float(derf.shift) <= 1
+        with torch.no_grad():
+            assert fitting.mean_squared_error(derf(x), y) < fitting.mean_squared_error(fitting.naive_derf(layer_norm)(x), y)
+
+
+def test_conversion_to_derf(trained, tiny_bin, tmp_path):
+    out = str(tmp_path / "derf.pt")
+    report = convert.convert(trained, tiny_bin, out, "derf", generation={"beam": 1}, echo=lambda message: None)
+    assert report["calibration_beats_naive"] and [s["stage"] for s in report["stages"]][1:] == [
+        "naive swap (derf, alpha = 0.5)", "calibrated derf (no training)"]
+    norms = named_norms(load_checkpoint(out, tiny_bin).model)
+    assert list(norms) == SITES and all(type(norm) is Derf for norm in norms.values())
+    assert float(norms["dec0.ffn"].shift) == pytest.approx(report["fits"]["dec0.ffn"]["shift"], abs=1e-6)
 
 
 def test_minimise_log_scalar_finds_the_minimum():
@@ -180,7 +195,7 @@ def test_bad_input_one_line_each(trained, converted, tiny_bin, tmp_path):
         ([converted[0], tiny_bin, out], "has no LayerNorm to convert \\(its norms: DynamicTanh\\)"),
         ([trained, str(mismatched), out], "other_dict does not match .*: its source dictionary has"),
         ([trained, str(tmp_path), out], "is not a binarized data folder"),
-        ([trained, tiny_bin, out, "--to", "erf"], "unknown conversion target --to 'erf'; choose from dyt"),
+        ([trained, tiny_bin, out, "--to", "erf"], "unknown conversion target --to 'erf'; choose from dyt, derf"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:

@@ -1,17 +1,17 @@
-"""``scripts/convert_norms.sh CKPT DATA OUT --to dyt``: a trained LayerNorm Transformer
+"""``scripts/convert_norms.sh CKPT DATA OUT --to dyt|derf``: a trained LayerNorm Transformer
 (``transformer_normplug`` or stock ``transformer``) converted to a norm-free one, with
 calibrated parameters, and what the conversion costs.
 
 Every LayerNorm is replaced by the target type (``--to``, :data:`fitting.TARGETS`): gamma
 and beta copied, alpha fitted per norm by least squares on the real activations of a
-calibration batch of DATA's training set (``fitting.fit_dyt``; gamma refitted per channel
-unless ``--keep-gamma``). OUT is an ordinary checkpoint (``--arch transformer_normplug
+calibration batch of DATA's training set (``fitting.fit_dyt``; Derf's shift too,
+``fitting.fit_derf``; gamma refitted per channel unless ``--keep-gamma``). OUT is an ordinary checkpoint (``--arch transformer_normplug
 --norm-type dyt`` in its stored configuration, no LayerNorm left) that fairseq-generate,
 fairseq-train ``--restore-file`` and the hub interface load.
 
 Dev loss (fairseq's valid_loss: the criterion's, base 2) and tokenized dev BLEU are reported
 before conversion, after the naive swap (alpha = 0.5, gamma and beta copied: what swapping
-modules gives), after the calibrated conversion, and with ``--finetune-updates N`` after a
+modules gives; Derf: alpha 0.5, shift 0), after the calibrated conversion, and with ``--finetune-updates N`` after a
 short fine-tune (``diagnostics.finetune``). The report goes to OUT's folder as
 ``<OUT name>.report.json`` and ``.report.md``; a calibration that does not beat the naive
 swap on dev loss is reported and the command exits with status 3.
@@ -166,8 +166,9 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
     for name in sites:
         norm, x, y = activations[name]
         fitted[name], fits[name] = target.fit(norm, x, y, refit_gamma=refit_gamma)
-    stages.append(evaluate(replace_norms(loaded.model, lambda name, norm: target.naive(norm)),
-                           f"naive swap ({to}, alpha = {fitting.NAIVE_DYT_ALPHA})"))
+    naive = replace_norms(loaded.model, lambda name, norm: target.naive(norm))
+    naive_alpha = float(named_norms(naive)[sites[0]].alpha)
+    stages.append(evaluate(naive, f"naive swap ({to}, alpha = {naive_alpha:g})"))
 
     calibrated = replace_norms(loaded.model, lambda name, norm: fitted[name])
     save_checkpoint(converted_state(loaded, calibrated, target.norm_type), out)

@@ -11,7 +11,7 @@ attention logits of every layer. Written to OUT_DIR:
 ``scale_vs_std.png``       per site: the norm's scale next to 1/std of its input (DyT
                            paper, section 6): DyT alpha, or the equivalent per-token
                            scale of the normalisers (LayerNorm mean 1/std, RMSNorm mean
-                           1/rms, ScaleNorm mean g/||x||); for DyT sites a second panel
+                           1/rms, ScaleNorm mean g/||x||; Derf alpha); for DyT sites a second panel
                            with the saturated fraction ``|alpha x| > 2``
 ``attention.png``          per layer: the largest attention logit and the mean attention
                            entropy (nats) of each self- and cross-attention
@@ -47,7 +47,8 @@ NORM_CSV_FIELDS = ("site", "norm_type", "in_std", "inverse_std", "scale", "scale
                    "saturated_fraction", "tokens")
 ATTENTION_CSV_FIELDS = ("attention", "stack", "layer", "kind", "max_logit", "entropy", "queries")
 NORM_TYPE_NAMES = {"LayerNorm": "layernorm", "FusedLayerNorm": "layernorm", "ScaleNorm": "scalenorm",
-                   "RMSNorm": "rmsnorm", "DynamicTanh": "dyt"}
+                   "RMSNorm": "rmsnorm", "DynamicTanh": "dyt", "Derf": "derf", "DyISRU": "dyisru",
+                   "IdentityNorm": "identity"}
 POINTS_PER_PANEL = 4000
 BATCH_TOKENS = 1000
 
