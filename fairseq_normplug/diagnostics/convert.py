@@ -31,8 +31,8 @@ from omegaconf import OmegaConf, open_dict
 from fairseq_normplug.cli import user_dir
 from fairseq_normplug.diagnostics import fitting
 from fairseq_normplug.diagnostics.loading import (
-    DEFAULT_GENERATION, LoadedCheckpoint, batches, collect_norm_activations, evaluate_model,
-    load_checkpoint, resolve_data,
+    DEFAULT_GENERATION, LoadedCheckpoint, batches, checkpoint_parser, collect_norm_activations,
+    evaluate_model, load_checkpoint, resolve_data,
 )
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.tables import atomic_output, write_text_atomic
@@ -204,11 +204,7 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="convert_norms.sh", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("checkpoint", help="trained checkpoint (transformer_normplug or transformer)")
-    parser.add_argument("data", help="the data folder it was trained on (prepared folder or its bin/)")
+    parser = checkpoint_parser("convert_norms.sh", __doc__)
     parser.add_argument("out", help="output checkpoint path")
     parser.add_argument("--to", default="dyt", help=f"target norm type: {', '.join(fitting.TARGETS)} (default dyt)")
     parser.add_argument("--finetune-updates", type=int, default=0, metavar="N",

@@ -5,6 +5,7 @@ Bad input fails in one line, before any model is run: a missing or unreadable ch
 a model that is not a fairseq Transformer, a data folder without binarized data, or a data
 folder whose dictionaries do not match the checkpoint's embeddings.
 """
+import argparse
 import math
 import os
 from argparse import Namespace
@@ -42,6 +43,17 @@ class LoadedCheckpoint:
     @property
     def cfg(self):
         return self.state["cfg"]
+
+
+def checkpoint_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of a diagnostics script: help from its module docstring ``doc``, the
+    positional CKPT and DATA; the script adds its output argument and options."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=doc.split("\n\n", 1)[1])
+    parser.add_argument("checkpoint", help="trained checkpoint (transformer_normplug or transformer)")
+    parser.add_argument("data", help="the data folder it was trained on (prepared folder or its bin/)")
+    return parser
 
 
 def resolve_data(data_dir: str) -> Tuple[str, str]:

@@ -21,7 +21,6 @@ attention logits of every layer. Written to OUT_DIR:
                            max_logit, entropy, queries``
 =========================  ==========================================================
 """
-import argparse
 import csv
 import io
 import logging
@@ -37,7 +36,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from fairseq_normplug.diagnostics.attention import collect_attention_statistics  # noqa: E402
 from fairseq_normplug.diagnostics.loading import (  # noqa: E402
-    batches, collect_norm_activations, load_checkpoint,
+    batches, checkpoint_parser, collect_norm_activations, load_checkpoint,
 )
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.experiments.figures import save_figure  # noqa: E402
@@ -220,11 +219,7 @@ def plot_norms(checkpoint: str, data_dir: str, out_dir: str, subset: str = "vali
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    parser = argparse.ArgumentParser(prog="plot_norms.sh", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("checkpoint", help="trained checkpoint (transformer_normplug or transformer)")
-    parser.add_argument("data", help="the data folder it was trained on (prepared folder or its bin/)")
+    parser = checkpoint_parser("plot_norms.sh", __doc__)
     parser.add_argument("out_dir", help="output folder for the PNG and CSV files")
     parser.add_argument("--subset", default="valid", help="data subset to run on (default valid)")
     parser.add_argument("--tokens", type=int, default=2000, help="source tokens to run on (default 2000)")
