@@ -95,11 +95,13 @@ def finetune(checkpoint: str, data_bin: str, save_dir: str, updates: int, lr: fl
     (``diagnostics.finetune``); returns the resulting checkpoint's path."""
     os.makedirs(save_dir, exist_ok=True)
     log_path = os.path.join(save_dir, "train.log")
+    result = os.path.join(save_dir, "checkpoint_last.pt")
+    if os.path.exists(result):  # an earlier run's: never mistaken for this one's
+        os.remove(result)
     command = [sys.executable, "-m", "fairseq_normplug.diagnostics.finetune", checkpoint, data_bin,
                save_dir, "--updates", str(updates), "--lr", str(lr)]
     with open(log_path, "w", encoding="utf-8") as log:
         returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
-    result = os.path.join(save_dir, "checkpoint_last.pt")
     if returncode != 0 or not os.path.isfile(result):
         raise NormplugError(f"the fine-tune failed (exit {returncode}); see {log_path}")
     return result
