@@ -4,6 +4,7 @@ prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
 from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
 from fairseq_normplug.modules.norm_registry import DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
 
@@ -68,6 +69,7 @@ def add_normplug_args(parser) -> None:
     add("--norm-stats-interval", type=int, metavar="N",
         help="every N updates, log each norm's scale (ScaleNorm g, DyT alpha, mean gain) and "
              "its input std into the training log (0 = off, the default)")
+    add_beyond_args(add)
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class NormplugSettings:
     fixnorm: bool
     weight_init: str
     norm_stats_interval: int
+    beyond: BeyondSettings
 
 
 def _flag(name: str) -> str:
@@ -149,6 +152,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(squash in DYT_SQUASH_CHOICES,
              f"unknown --dyt-squash {squash!r}; choose from {', '.join(DYT_SQUASH_CHOICES)}")
 
+    weight_init_given = args.weight_init not in (None, "fairseq") or args.smallinit
     weight_init = args.weight_init or "fairseq"
     _require(weight_init in WEIGHT_INITS,
              f"unknown --weight-init {weight_init!r}; choose from {', '.join(WEIGHT_INITS)}")
@@ -171,6 +175,8 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(args.norm_stats_interval >= 0,
              f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
 
+    beyond = resolve_beyond_args(args, norm_type, prenorm, weight_init_given)
+
     spec = NormSpec(
         norm_type=norm_type,
         eps=args.norm_eps,
@@ -182,4 +188,4 @@ def resolve_normplug_args(args) -> NormplugSettings:
     )
     return NormplugSettings(prenorm=prenorm, norm=spec, fixnorm=args.fixnorm,
                             weight_init=weight_init,
-                            norm_stats_interval=args.norm_stats_interval)
+                            norm_stats_interval=args.norm_stats_interval, beyond=beyond)

@@ -16,8 +16,11 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
+from fairseq_normplug.modules.embed_scale import make_embed_scale_learnable
 from fairseq_normplug.modules.norm_stats import NormStatsRecorder
-from fairseq_normplug.modules.weight_init import apply_weight_init
+from fairseq_normplug.modules.qknorm import install_qknorm, resolve_g0
+from fairseq_normplug.modules.residual_scale import deepnorm_constants, install_residual_scale
+from fairseq_normplug.modules.weight_init import apply_deepnorm_init, apply_model_init
 
 #: the padding logit is set this far below the row's smallest logit: its probability is
 #: ~e^-30 of the least likely word, so pad is never predicted, while label smoothing
@@ -65,9 +68,19 @@ class TransformerNormplugModel(TransformerModel):
                 "--share-all-embeddings needs a joined dictionary (fairseq-preprocess "
                 "--joined-dictionary); with separate dictionaries pass "
                 "--share-decoder-input-output-embed instead")
+        beyond = settings.beyond
+        g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         model = super().build_model(args, task)
         install_norms(model, settings.norm)
-        apply_weight_init(list(model.encoder.layers) + list(model.decoder.layers), settings.weight_init)
+        apply_model_init(model, settings.weight_init)
+        if beyond.residual_scale == "deepnorm":
+            constants = deepnorm_constants(len(model.encoder.layers), len(model.decoder.layers))
+            apply_deepnorm_init(model, constants["encoder_beta"], constants["decoder_beta"])
+        install_residual_scale(model, beyond.residual_scale)
+        if beyond.qknorm:
+            install_qknorm(model, g0)
+        if beyond.embed_scale == "learnable":
+            make_embed_scale_learnable(model)
         model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
         return model
 
