@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from conftest import cli, run_cli
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.modules.qknorm import (HeadNormProjection, length_percentile, qknorm_g0,
                                              training_target_lengths)
 from fairseq_normplug.modules.residual_scale import deepnorm_constants, layerscale_init
@@ -311,3 +312,37 @@ def test_bad_combinations_are_refused_in_one_line(tiny_bin, flags, message):
     with pytest.raises(NormplugError) as error:
         parse_args(tiny_bin, TINY, *flags)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ---- the beyond table -----------------------------------------------------------------------
+
+#: flag values the norms branch (issue 12's norm types, data-driven DyT init) provides
+FROM_NORMS_BRANCH = {"derf", "dyisru", "auto"}
+
+
+def test_beyond_table_loads_with_the_qknorm_paper_number():
+    from fairseq_normplug.experiments.tables import load_paper_results, paper_bleu
+
+    table = load_table("beyond")
+    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 9 + 12
+    final = table.row("PreNorm + FixNorm + ScaleNorm + NoWarmup")
+    assert final.model == ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"]
+    assert {row.schedule for row in table.rows} == {"no_warmup"}
+    assert paper_bleu(load_paper_results(), "beyond", final.name + " + QKNorm", "en-vi") == 33.24
+    for depth in (6, 12, 18):
+        assert table.row(f"PostNorm + DeepNorm {depth} layers").model[-1] == str(depth)
+
+
+@pytest.mark.parametrize("row", [r.name for r in load_table("beyond").rows])
+def test_every_beyond_row_builds_a_tiny_model(tiny_bin, row):
+    flags = load_table("beyond").row(row).model
+    pending = FROM_NORMS_BRANCH & set(flags)
+    try:
+        model, _, _ = build(tiny_bin, TINY, "--qknorm-g0", "5", *flags) if "--qknorm" in flags else \
+            build(tiny_bin, TINY, *flags)
+    except (SystemExit, NormplugError):
+        if pending:
+            pytest.skip(f"{row}: needs {', '.join(sorted(pending))} from the norms branch")
+        raise
+    layers = flags[flags.index("--encoder-layers") + 1] if "--encoder-layers" in flags else "2"
+    assert len(model.encoder.layers) == len(model.decoder.layers) == int(layers)
