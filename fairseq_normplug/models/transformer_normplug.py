@@ -15,6 +15,7 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.modules.auto_init import AutoScaleInit
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
 from fairseq_normplug.modules.embed_scale import make_embed_scale_learnable
 from fairseq_normplug.modules.norm_stats import NormStatsRecorder
@@ -50,7 +51,7 @@ class FixNormTransformerDecoder(TransformerDecoderBase):
 class TransformerNormplugModel(TransformerModel):
     """Transformer with pluggable residual placement, norm type, FixNorm and init.
 
-    Flags: ``--prenorm``, ``--norm-type {layernorm,scalenorm,rmsnorm,dyt,identity}`` (shorthands
+    Flags: ``--prenorm``, ``--norm-type`` (one of ``NORM_TYPES``, shorthands
     ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
     ``--weight-init``; see ``fairseq-train --arch transformer_normplug --help``.
     """
@@ -82,7 +83,15 @@ class TransformerNormplugModel(TransformerModel):
         if beyond.embed_scale == "learnable":
             make_embed_scale_learnable(model)
         model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
+        model.auto_scale_init = AutoScaleInit(named_norms(model))
         return model
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        # loaded values (resume, generate) are already initialised: no ``auto`` init
+        auto_init = getattr(self, "auto_scale_init", None)
+        if auto_init is not None:
+            auto_init.cancel()
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):

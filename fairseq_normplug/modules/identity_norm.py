@@ -4,21 +4,15 @@ The "no norm" baseline of the normalization-free methods (ReZero, T-Fixup, ...):
 slot of the Transformer keeps its place but does nothing.
 """
 import torch
-from torch import nn
+
+from fairseq_normplug.modules.norm_base import FormulaNorm
 
 
-class IdentityNorm(nn.Module):
+class IdentityNorm(FormulaNorm):
     """identity(x) = x, for a ``dim``-wide input (``dim`` is kept only for ``repr``)."""
 
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dim = dim
+    def formula(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def extra_repr(self) -> str:
-        return f"{self.dim}"
