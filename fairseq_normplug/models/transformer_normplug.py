@@ -5,7 +5,9 @@ It subclasses the stock ``transformer`` model, so every stock flag keeps working
 every plugin flag off it *is* the stock model (same modules, parameter names, init and
 outputs; a stock checkpoint loads). The plugin only acts through small build hooks:
 ``build_embedding`` (FixNorm rows), ``build_decoder`` (FixNorm output layer), and, after
-the stock build, norm replacement (``install_norms``) and re-initialisation.
+the stock build, norm replacement (``install_norms``) and re-initialisation, then the
+later designs (docs/beyond.md): DeepNorm's init, residual scaling through each layer's
+``residual_connection`` hook, QKNorm's q/k projections and the learnable embedding scale.
 """
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,8 @@ class TransformerNormplugModel(TransformerModel):
 
     Flags: ``--prenorm``, ``--norm-type`` (one of ``NORM_TYPES``, shorthands
     ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
-    ``--weight-init``; see ``fairseq-train --arch transformer_normplug --help``.
+    ``--weight-init``, and the later designs ``--qknorm``, ``--residual-scale``,
+    ``--embed-scale`` (docs/beyond.md); see ``fairseq-train --arch transformer_normplug --help``.
     """
 
     @classmethod

@@ -1,5 +1,5 @@
 """QKNorm (Henry, Dachapally, Pawar & Chen 2020, "Query-Key Normalization for Transformers",
-Findings of EMNLP 2020, arXiv:2010.04245), eq. (2)-(3):
+Findings of EMNLP 2020, arXiv:2010.04245), section 3:
 
     attention(Q, K, V) = softmax(g * Q_hat K_hat^T) V,   Q_hat, K_hat = Q, K l2-normalised per head
 

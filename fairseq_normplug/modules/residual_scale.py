@@ -1,11 +1,11 @@
 """Scaled residual connections, installed through fairseq's ``residual_connection(x, residual)``
 hook of every Transformer layer (x is the sublayer output F(.) after dropout):
 
-* ``rezero`` (Bachlechner et al. 2020, "ReZero is All You Need", eq. (4)):
+* ``rezero`` (Bachlechner et al. 2020, "ReZero is All You Need", section 3):
   residual + a * F, a learnable scalar per sublayer initialised to 0, so every layer is the
   identity at initialisation (the authors' Transformer code shares one a between the
   sublayers of a layer; here each sublayer has its own, like LayerScale's diag).
-* ``layerscale`` (Touvron et al. 2021, "Going deeper with Image Transformers" (CaiT), eq. (4)):
+* ``layerscale`` (Touvron et al. 2021, "Going deeper with Image Transformers" (CaiT), section 2.1):
   residual + diag(lambda) F, a learnable per-channel vector per sublayer initialised to
   eps = 0.1 for depth <= 18, 1e-5 up to depth 24 and 1e-6 deeper (section 2.1).
 * ``deepnorm`` (Wang et al. 2022, "DeepNet: Scaling Transformers to 1,000 Layers", Fig. 2 and
