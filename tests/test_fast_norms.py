@@ -235,7 +235,7 @@ def test_bench_norms_smoke(tmp_path):
     text = bench_norms.main(["--shapes", "2x3x16,1x2x16", "--reps", "2", "--reference",
                              "--eager", "--rounds", "2", "--out", str(out)])
     assert out.read_text() == text
-    for name in ["layernorm", "scalenorm", "rmsnorm", "dyt", "dyt-hardtanh", "dyt-sigmoid",
+    for name in ["layernorm", "scalenorm", "rmsnorm", "dyt", "dyt-hardtanh", "dyt-sigmoid", "derf", "dyisru",
                  "scalenorm-ref", "dyt-eager", "(copy floor)"]:
         assert f"| {name} " in text
     assert "### 2x3x16 float32" in text and "### 1x2x16 float32" in text

@@ -75,7 +75,7 @@ def test_dyt_alpha_inits_by_block(tiny_bin):
 
 
 def test_dyt_no_alpha_is_the_papers_ablation(tiny_bin):
-    """DyT paper, Table 9 'without alpha': squash(x), alpha fixed at 1 everywhere."""
+    """DyT paper, section 6, "removing alpha": squash(x), alpha fixed at 1 everywhere."""
     model, _, _ = build(tiny_bin, TINY, "--dyt", "--dyt-no-alpha")
     for norm in named_norms(model).values():
         assert norm.alpha.item() == 1.0 and not norm.alpha.requires_grad
@@ -275,6 +275,8 @@ BAD_INPUT = [
     (["--norm-type", "dyisru", "--dyisru-beta-init", "-1"], "--dyisru-beta-init must be > 0, got -1.0"),
     (["--dyt", "--dyt-no-alpha", "--dyt-alpha-init", "auto"], "--dyt-no-alpha fixes alpha at 1; it contradicts --dyt-alpha-init auto"),
     (["--dyt-no-alpha"], "--dyt-no-alpha needs --norm-type dyt"),
+    (["--dyt", "--dyt-attn-alpha-init", "auto", "--fp16"],
+     "--dyt-attn-alpha-init auto cannot be combined with --fp16 (its fp32 master weights"),
     (["--scalenorm-fixed-g"], "--scalenorm-fixed-g needs --norm-type scalenorm, got --norm-type layernorm"),
     (["--smallinit", "--weight-init", "xavier"], "--smallinit contradicts --weight-init xavier"),
     (["--fixnorm", "--no-share-decoder-input-output-embed"], "--fixnorm needs the output layer tied"),
@@ -298,6 +300,11 @@ def test_unknown_choices_are_argparse_errors(tiny_bin, flags, capsys):
         parse_args(tiny_bin, TINY, *flags)
     assert exit_info.value.code == 2
     assert f"invalid choice: '{flags[-1]}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", [["--amp"], ["--fp16", "--memory-efficient-fp16"]])
+def test_auto_init_with_precisions_that_keep_no_master_copy(tiny_bin, precision):
+    parse_args(tiny_bin, TINY, "--norm-type", "derf", "--derf-alpha-init", "auto", *precision)
 
 
 def test_scale_init_is_a_number_or_auto(tiny_bin, capsys):

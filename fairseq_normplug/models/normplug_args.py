@@ -85,7 +85,7 @@ def add_normplug_args(parser) -> None:
         help="keep DyT alpha fixed at its initial value (--dyt-alpha-init, or the auto value); "
              "the DyT paper's 'without alpha' ablation is alpha fixed at 1: --dyt-no-alpha")
     add("--dyt-no-alpha", action="store_true",
-        help="the DyT paper's 'without alpha' ablation (Table 9): squash(x), i.e. alpha fixed "
+        help="the DyT paper's 'without alpha' ablation (section 6): squash(x), i.e. alpha fixed "
              "at 1 (= --dyt-freeze-alpha --dyt-alpha-init 1)")
     add("--derf-alpha-init", type=scale_init_value, metavar="A|auto",
         help=f"Derf alpha initial value (default {DERF_DEFAULT_ALPHA}, the Derf authors' code); "
@@ -161,6 +161,19 @@ def _require(condition: bool, message: str) -> None:
         raise NormplugError(message)
 
 
+def _check_auto_precision(args) -> None:
+    """``auto`` sets values during the first forward; fairseq's --fp16/--bf16 optimizer has
+    copied its fp32 master weights before that and would overwrite them after the first step."""
+    autos = [name for name in SCALE_INIT_FLAGS if getattr(args, name) == AUTO]
+    low = [flag for flag in ("fp16", "bf16") if getattr(args, flag, False)]
+    exempt = any(getattr(args, flag, False) for flag in
+                 ("memory_efficient_fp16", "memory_efficient_bf16", "amp"))
+    _require(not (autos and low and not exempt),
+             f"{_flag(autos[0]) if autos else ''} auto cannot be combined with --{low[0] if low else ''} "
+             f"(its fp32 master weights are copied before the first batch); use --amp or "
+             f"--memory-efficient-{low[0] if low else ''}")
+
+
 def resolve_normplug_args(args) -> NormplugSettings:
     """Validate the plugin flags on ``args`` (in place: defaults, --prenorm -> fairseq's
     normalize_before flags, shorthands -> norm_type) and return the resolved settings.
@@ -183,6 +196,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
     for name in SCALE_INIT_FLAGS:
         value = getattr(args, name)
         _require(value in (None, AUTO) or value > 0, f"{_flag(name)} must be > 0, got {value} (or pass auto)")
+    _check_auto_precision(args)
     alpha = DYT_DEFAULT_ALPHA if args.dyt_alpha_init is None else args.dyt_alpha_init
     if args.dyt_no_alpha:
         clash = [n for n in ("dyt_alpha_init", "dyt_attn_alpha_init") if getattr(args, n) not in (None, 1.0)]

@@ -1,6 +1,7 @@
 """Cheap training-time records of every norm layer, for the papers' figures: ScaleNorm g
 ("Transformers without Tears", Fig. 3-4), DyT alpha against 1/std of its input (DyT paper,
-section 6), and the mean gain of LayerNorm/RMSNorm/DyT.
+section 6), the other norms' scalars (Derf alpha and shift, DyISRU beta) and the mean gain
+of LayerNorm/RMSNorm/DyT/Derf/DyISRU.
 
 Forward pre-hooks read each norm's input only on sampled updates (every ``interval``
 updates, training mode only) and log into fairseq's metrics, so the values land in the
@@ -16,12 +17,9 @@ from torch import nn
 
 
 def norm_scale_stats(norm: nn.Module) -> Dict[str, float]:
-    """The scalar(s) that describe a norm's learned scale."""
-    stats = {}
-    if isinstance(getattr(norm, "g", None), torch.Tensor):
-        stats["g"] = float(norm.g)
-    if isinstance(getattr(norm, "alpha", None), torch.Tensor):
-        stats["alpha"] = float(norm.alpha)
+    """The scalar(s) that describe a norm's learned scale: each scalar parameter (ScaleNorm g,
+    DyT/Derf alpha, Derf shift, DyISRU beta) and the mean |gain|."""
+    stats = {name: float(p) for name, p in norm.named_parameters(recurse=False) if p.dim() == 0}
     if isinstance(getattr(norm, "weight", None), torch.Tensor):
         stats["gain"] = float(norm.weight.detach().abs().mean())
     return stats
