@@ -316,10 +316,6 @@ def test_bad_combinations_are_refused_in_one_line(tiny_bin, flags, message):
 
 # ---- the beyond table -----------------------------------------------------------------------
 
-#: flag values the norms branch (issue 12's norm types, data-driven DyT init) provides
-FROM_NORMS_BRANCH = {"derf", "dyisru", "auto"}
-
-
 def test_beyond_table_loads_with_the_qknorm_paper_number():
     from fairseq_normplug.experiments.tables import load_paper_results, paper_bleu
 
@@ -336,13 +332,6 @@ def test_beyond_table_loads_with_the_qknorm_paper_number():
 @pytest.mark.parametrize("row", [r.name for r in load_table("beyond").rows])
 def test_every_beyond_row_builds_a_tiny_model(tiny_bin, row):
     flags = load_table("beyond").row(row).model
-    pending = FROM_NORMS_BRANCH & set(flags)
-    try:
-        model, _, _ = build(tiny_bin, TINY, "--qknorm-g0", "5", *flags) if "--qknorm" in flags else \
-            build(tiny_bin, TINY, *flags)
-    except (SystemExit, NormplugError):
-        if pending:
-            pytest.skip(f"{row}: needs {', '.join(sorted(pending))} from the norms branch")
-        raise
+    model, _, _ = build(tiny_bin, TINY, *flags)
     layers = flags[flags.index("--encoder-layers") + 1] if "--encoder-layers" in flags else "2"
     assert len(model.encoder.layers) == len(model.decoder.layers) == int(layers)
