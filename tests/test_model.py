@@ -124,6 +124,14 @@ def test_auto_init_from_the_first_training_batch(tiny_bin, flags, param, expecte
     assert before == {name: getattr(norm, param).item() for name, norm in named_norms(model).items()}
 
 
+def test_frozen_alpha_stays_at_the_auto_value(tiny_bin):
+    model, task, _ = build(tiny_bin, TINY, "--dyt", "--dyt-alpha-init", "auto", "--dyt-freeze-alpha")
+    inputs = first_training_forward(model, task)
+    for name, norm in named_norms(model).items():
+        assert not norm.alpha.requires_grad
+        assert norm.alpha.item() == pytest.approx(1 / inputs[name].double().std(unbiased=False).item(), rel=1e-5)
+
+
 def test_auto_init_skipped_after_loading_a_state_dict(tiny_bin):
     trained, task, _ = build(tiny_bin, TINY, "--dyt", "--dyt-alpha-init", "auto", seed=1)
     with torch.no_grad():
