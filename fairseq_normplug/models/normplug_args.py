@@ -2,6 +2,7 @@
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
 import argparse
+import logging
 from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
@@ -33,6 +34,8 @@ DEFAULTS = {
     "norm_stats_interval": 0,
 }
 DYT_DEFAULT_ALPHA = 0.5
+logger = logging.getLogger(__name__)
+
 #: each element-wise norm's own flags (they need that --norm-type)
 NORM_TYPE_FLAGS = {
     "dyt": ("dyt_alpha_init", "dyt_attn_alpha_init", "dyt_squash", "dyt_freeze_alpha", "dyt_no_alpha"),
@@ -95,7 +98,7 @@ def add_normplug_args(parser) -> None:
              "auto: (d-1)*mean(x^2) of each norm's input on the first training batch")
     add("--fixnorm", action="store_true",
         help="FixNorm: l2-normalised word embeddings, U(-0.01,0.01) init, tied output layer "
-             "(needs --share-decoder-input-output-embed or --share-all-embeddings)")
+             "(implies --share-decoder-input-output-embed unless --share-all-embeddings)")
     add("--weight-init", choices=WEIGHT_INITS,
         help="attention/FFN init: fairseq's own (default), xavier (the paper's Xavier-normal "
              "baseline) or smallinit")
@@ -174,6 +177,17 @@ def _check_auto_precision(args) -> None:
              f"--memory-efficient-{low[0] if low else ''}")
 
 
+def _tie_output_layer_for_fixnorm(args) -> None:
+    """FixNorm is defined on the tied output layer (Tears eq. 10), so ``--fixnorm`` implies
+    ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output layer
+    (the sharing flags are store_true), so there is no explicit request to refuse."""
+    if getattr(args, "share_decoder_input_output_embed", False) or getattr(args, "share_all_embeddings", False):
+        return
+    args.share_decoder_input_output_embed = True
+    logger.info("--fixnorm: tying the output layer to the target embeddings "
+                "(--share-decoder-input-output-embed)")
+
+
 def resolve_normplug_args(args) -> NormplugSettings:
     """Validate the plugin flags on ``args`` (in place: defaults, --prenorm -> fairseq's
     normalize_before flags, shorthands -> norm_type) and return the resolved settings.
@@ -219,11 +233,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
     args.weight_init = weight_init
 
     if args.fixnorm:
-        tied = getattr(args, "share_decoder_input_output_embed", False) or getattr(
-            args, "share_all_embeddings", False)
-        _require(tied, "--fixnorm needs the output layer tied to the target embeddings: pass "
-                       "--share-decoder-input-output-embed (any dictionaries) or "
-                       "--share-all-embeddings (joined dictionary)")
+        _tie_output_layer_for_fixnorm(args)
         _require(not getattr(args, "adaptive_softmax_cutoff", None),
                  "--fixnorm cannot be combined with --adaptive-softmax-cutoff "
                  f"(got {getattr(args, 'adaptive_softmax_cutoff', None)})")
