@@ -14,6 +14,8 @@ NOTES_NUMBERS = {("table3", FINAL, "gl-en"): 20.91, ("table3", FINAL, "sk-en"): 
                  ("table3", FINAL, "ar-en"): 34.35, ("table6", FINAL, "en-de"): 27.57}
 # stated in the paper's text (Section 3.1): PostNorm, default init, 16k warmup, en->vi
 TEXT_NUMBERS = {("table2", "PostNorm Xavier warmup 16k", "en-vi"): 5.76}
+# QKNorm (Henry et al. 2020), as issue 12 quotes it
+LATER_NUMBERS = {("beyond", "PreNorm + FixNorm + ScaleNorm + NoWarmup + QKNorm", "en-vi"): 33.24}
 
 
 def run(table, row, pair, status="ok", **fields):
@@ -39,7 +41,7 @@ def test_paper_results_hold_exactly_the_numbers_of_the_papers_folder():
                for table, spec in paper["tables"].items()
                for row, row_numbers in spec["rows"].items()
                for pair, value in row_numbers.items() if value is not None}
-    assert numbers == {**NOTES_NUMBERS, **TEXT_NUMBERS}
+    assert numbers == {**NOTES_NUMBERS, **TEXT_NUMBERS, **LATER_NUMBERS}
     assert tables.paper_bleu(paper, "table3", FINAL, "ar-en") == 34.35
     assert tables.paper_bleu(paper, "table3", BASE, "ar-en") is None
     assert tables.paper_bleu(paper, "table9", "anything", "xx-yy") is None
@@ -71,6 +73,34 @@ def test_write_results_csv_and_markdown(tmp_path):
     # every run; the sacreBLEU signature's pipes stay out of the table
     assert f"| table3 | {FINAL} | table3/gl-en/{FINAL} | gl-en | ok | 12000 | 95.2 | 21.50 | 20.10 | 0.004 |" in md
     assert "sacreBLEU signature: `nrefs:1|case:mixed|tok:13a`" in md
+
+
+def test_runs_with_run_on_or_truncated_output_are_flagged(tmp_path):
+    """Hypothesis/reference length ratio outside 0.5-2: the BLEU gets the mark in both the
+    paper-style table and the run list, a footnote gives the ratio; the CSV keeps the ratio."""
+    paper = {"tables": {"t": {"title": "Table T", "pairs": ["aa-bb", "cc-dd"], "rows": {}}}}
+    rows = [run("t", "Long", "aa-bb", tokenized_bleu=0.63, length_ratio=2.2, p_value=0.001),
+            run("t", "Short", "aa-bb", tokenized_bleu=3.5, length_ratio=0.45),
+            run("t", "Fine", "aa-bb", tokenized_bleu=20.0, length_ratio=1.1),
+            run("t", "Edges", "aa-bb", tokenized_bleu=10.0, length_ratio=2.0),
+            run("t", "Edges", "cc-dd", tokenized_bleu=11.0, length_ratio=0.5),
+            run("t", "Unknown", "aa-bb", tokenized_bleu=12.0),
+            run("t", "Diverged", "aa-bb", status="diverged", length_ratio=3.0)]
+    csv_path, md_path = tables.write_results(rows, str(tmp_path), paper)
+    assert [r["length_ratio"] for r in tables.read_results_csv(csv_path)] == [2.2, 0.45, 1.1, 2.0, 0.5, None, 3.0]
+    md = open(md_path, encoding="utf-8").read()
+    mark = tables.LENGTH_MARK
+    assert "| Long | 0.63\u2021" + mark + " | - |" in md and "| Short | 3.50" + mark + " | - |" in md
+    assert "| Fine | 20.00 | - |" in md and "| Edges | 10.00 | 11.00 |" in md
+    assert "| Unknown | 12.00 | - |" in md and "| Diverged | *diverged* | - |" in md
+    assert "| t | Long | t/aa-bb/Long | aa-bb | ok |  |  | 0.63" + mark + " |  | 0.001 |" in md
+    assert md.count(mark) == 5  # two table cells, two run-list cells, one footnote
+    note = next(line for line in md.splitlines() if line.startswith(mark + " "))
+    assert "outside 0.5-2" in note and "Long (t, aa-bb): 2.20; Short (t, aa-bb): 0.45." in note
+    assert md.index(note) < md.index("## Table T")
+
+    _, clean_md = tables.write_results(rows[2:4], str(tmp_path / "clean"), paper)
+    assert mark not in open(clean_md, encoding="utf-8").read()
 
 
 def test_an_explicit_paper_number_wins_and_rows_outside_the_paper_are_kept(tmp_path):

@@ -2,9 +2,11 @@
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
 import argparse
+import logging
 from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
 from fairseq_normplug.modules.derf import DERF_DEFAULT_ALPHA
 from fairseq_normplug.modules.norm_registry import AUTO, DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
@@ -32,6 +34,8 @@ DEFAULTS = {
     "norm_stats_interval": 0,
 }
 DYT_DEFAULT_ALPHA = 0.5
+logger = logging.getLogger(__name__)
+
 #: each element-wise norm's own flags (they need that --norm-type)
 NORM_TYPE_FLAGS = {
     "dyt": ("dyt_alpha_init", "dyt_attn_alpha_init", "dyt_squash", "dyt_freeze_alpha", "dyt_no_alpha"),
@@ -94,7 +98,7 @@ def add_normplug_args(parser) -> None:
              "auto: (d-1)*mean(x^2) of each norm's input on the first training batch")
     add("--fixnorm", action="store_true",
         help="FixNorm: l2-normalised word embeddings, U(-0.01,0.01) init, tied output layer "
-             "(needs --share-decoder-input-output-embed or --share-all-embeddings)")
+             "(implies --share-decoder-input-output-embed unless --share-all-embeddings)")
     add("--weight-init", choices=WEIGHT_INITS,
         help="attention/FFN init: fairseq's own (default), xavier (the paper's Xavier-normal "
              "baseline) or smallinit")
@@ -103,6 +107,7 @@ def add_normplug_args(parser) -> None:
     add("--norm-stats-interval", type=int, metavar="N",
         help="every N updates, log each norm's scale (ScaleNorm g, DyT alpha, mean gain) and "
              "its input std into the training log (0 = off, the default)")
+    add_beyond_args(add)
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,7 @@ class NormplugSettings:
     fixnorm: bool
     weight_init: str
     norm_stats_interval: int
+    beyond: BeyondSettings
 
 
 def _flag(name: str) -> str:
@@ -171,6 +177,17 @@ def _check_auto_precision(args) -> None:
              f"--memory-efficient-{low[0] if low else ''}")
 
 
+def _tie_output_layer_for_fixnorm(args) -> None:
+    """FixNorm is defined on the tied output layer (Tears eq. 10), so ``--fixnorm`` implies
+    ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output layer
+    (the sharing flags are store_true), so there is no explicit request to refuse."""
+    if getattr(args, "share_decoder_input_output_embed", False) or getattr(args, "share_all_embeddings", False):
+        return
+    args.share_decoder_input_output_embed = True
+    logger.info("--fixnorm: tying the output layer to the target embeddings "
+                "(--share-decoder-input-output-embed)")
+
+
 def resolve_normplug_args(args) -> NormplugSettings:
     """Validate the plugin flags on ``args`` (in place: defaults, --prenorm -> fairseq's
     normalize_before flags, shorthands -> norm_type) and return the resolved settings.
@@ -204,6 +221,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(squash in DYT_SQUASH_CHOICES,
              f"unknown --dyt-squash {squash!r}; choose from {', '.join(DYT_SQUASH_CHOICES)}")
 
+    weight_init_given = args.weight_init not in (None, "fairseq") or args.smallinit
     weight_init = args.weight_init or "fairseq"
     _require(weight_init in WEIGHT_INITS,
              f"unknown --weight-init {weight_init!r}; choose from {', '.join(WEIGHT_INITS)}")
@@ -215,16 +233,14 @@ def resolve_normplug_args(args) -> NormplugSettings:
     args.weight_init = weight_init
 
     if args.fixnorm:
-        tied = getattr(args, "share_decoder_input_output_embed", False) or getattr(
-            args, "share_all_embeddings", False)
-        _require(tied, "--fixnorm needs the output layer tied to the target embeddings: pass "
-                       "--share-decoder-input-output-embed (any dictionaries) or "
-                       "--share-all-embeddings (joined dictionary)")
+        _tie_output_layer_for_fixnorm(args)
         _require(not getattr(args, "adaptive_softmax_cutoff", None),
                  "--fixnorm cannot be combined with --adaptive-softmax-cutoff "
                  f"(got {getattr(args, 'adaptive_softmax_cutoff', None)})")
     _require(args.norm_stats_interval >= 0,
              f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
+
+    beyond = resolve_beyond_args(args, norm_type, prenorm, weight_init_given)
 
     spec = NormSpec(
         norm_type=norm_type,
@@ -239,4 +255,4 @@ def resolve_normplug_args(args) -> NormplugSettings:
     )
     return NormplugSettings(prenorm=prenorm, norm=spec, fixnorm=args.fixnorm,
                             weight_init=weight_init,
-                            norm_stats_interval=args.norm_stats_interval)
+                            norm_stats_interval=args.norm_stats_interval, beyond=beyond)

@@ -23,6 +23,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+#: how each auto-initialised parameter is chosen (for the log line)
+AUTO_RULES = {"alpha": "1/std of the norm's input", "beta": "(d-1)*mean(x^2) of the norm's input"}
+
 
 def _sum_over_ranks(t: torch.Tensor) -> int:
     """Sum ``t`` in place over the data-parallel ranks; return their number."""
@@ -83,6 +86,6 @@ class AutoScaleInit:
     def _log(self) -> None:
         values = " ".join(f"{name}={value:.4g}" for name, value in self.chosen.items())
         params = sorted({norm.auto_init_parameter for norm in self.pending.values()})
-        logger.info("auto init of %s from the first training batch (1/std of each norm's input "
-                    "for alpha, (C-1)*mean(x^2) for beta; %d data-parallel rank%s): %s",
-                    "/".join(params), self.ranks, "" if self.ranks == 1 else "s", values)
+        rules = ", ".join(f"{param} = {AUTO_RULES.get(param, 'set from the input')}" for param in params)
+        logger.info("auto init of %s from the first training batch (%s; %d data-parallel rank%s): %s",
+                    "/".join(params), rules, self.ranks, "" if self.ranks == 1 else "s", values)
