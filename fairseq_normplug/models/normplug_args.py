@@ -1,11 +1,15 @@
 """Command-line flags of ``transformer_normplug`` and their resolution into a validated
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
+import importlib.util
+import logging
 from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_registry import DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
+
+logger = logging.getLogger(__name__)
 
 NORM_SHORTHANDS = ("scalenorm", "rmsnorm", "dyt")  # --scalenorm = --norm-type scalenorm, ...
 DEFAULTS = {
@@ -120,6 +124,17 @@ def _resolve_residual(args) -> bool:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise NormplugError(message)
+
+
+def bf16_without_tpu(args) -> None:
+    """Let ``--bf16`` mean bfloat16 on a GPU or CPU. fairseq's argument parser turns every
+    ``--bf16`` into ``--tpu`` (a TPU-era shortcut), which then fails in ``torch_xla`` on any
+    other machine; where ``torch_xla`` is not installed that can only be a mistake, so the
+    TPU switch is taken back (on a TPU machine nothing changes)."""
+    if (getattr(args, "bf16", False) and getattr(args, "tpu", False)
+            and importlib.util.find_spec("torch_xla") is None):
+        logger.info("--bf16 without torch_xla installed: bfloat16 on the GPU or CPU, not a TPU")
+        args.tpu = False
 
 
 def resolve_normplug_args(args) -> NormplugSettings:

@@ -27,10 +27,12 @@ PAD_LOGIT_MARGIN = 30.0
 
 def mask_padding_logit(logits: torch.Tensor, padding_idx: int) -> torch.Tensor:
     """Set the padding column of freshly computed ``logits`` (in place: one pass for the row
-    minimum, none over the whole tensor) to ``PAD_LOGIT_MARGIN`` below each row's minimum;
-    no gradient flows through that column."""
+    minimum, none over the whole tensor) to ``PAD_LOGIT_MARGIN`` below the smallest logit of
+    the other words (the pad column itself is left out), clamped to the dtype's range so the
+    floor stays finite in fp16; no gradient flows through that column."""
+    logits[..., padding_idx] = float("inf")
     floor = logits.detach().amin(dim=-1) - PAD_LOGIT_MARGIN
-    logits[..., padding_idx] = floor
+    logits[..., padding_idx] = floor.clamp(min=torch.finfo(logits.dtype).min)
     return logits
 
 

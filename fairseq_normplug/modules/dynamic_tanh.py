@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.modules import fused, native
+from fairseq_normplug.modules.float32_params import Float32Params
 from fairseq_normplug.modules.fused import (
     Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
 )
@@ -97,15 +98,18 @@ def dynamic_tanh(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor,
         rows(x), alpha, weight, bias, squash).view(x.shape)
 
 
-class DynamicTanh(nn.Module):
+class DynamicTanh(Float32Params):
     """DyT: one learnable scalar ``alpha`` (init ``alpha_init``, default 0.5), a per-channel
     gain ``weight`` (gamma, init 1) and shift ``bias`` (beta, init 0).
 
     ``squash`` selects tanh (the paper's choice), hardtanh or sigmoid (its ablation,
     Table 9); ``learnable_alpha=False`` freezes alpha (the "without alpha" ablation).
-    Computed in float32 whatever the input dtype; ``forward`` runs the fused fast path
-    :func:`dynamic_tanh`.
+    Computed in float32 whatever the input dtype; alpha stays float32 when the model is cast
+    to fp16/bf16 (``float32_params.py``), so its gradient is summed and stored in float32.
+    ``forward`` runs the fused fast path :func:`dynamic_tanh`.
     """
+
+    float32_params = ("alpha",)
 
     def __init__(
         self,
