@@ -40,14 +40,15 @@ class FixNormEmbedding(nn.Embedding):
         """Rows divided by their l2 norm; the padding row is exactly zero (and gets no
         gradient). Cached while the weights are fixed (class docstring)."""
         if self.training or torch.is_grad_enabled():
-            return self._normalize()
+            return self.normalize()
         w = self.weight
         key = (w._version, w.data_ptr(), w.dtype, w.device)
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self._normalize())
+            self._cache = (key, self.normalize())
         return self._cache[1]
 
-    def _normalize(self) -> torch.Tensor:
+    def normalize(self) -> torch.Tensor:
+        """The normalised rows, computed now (no cache): float32 row norms, pad row zero."""
         w = self.weight.float()
         inv_norm = torch.rsqrt(w.pow(2).sum(dim=1, keepdim=True).clamp(min=self.eps ** 2))
         inv_norm = torch.where(self.row_mask, inv_norm, torch.zeros_like(inv_norm))

@@ -203,10 +203,11 @@ class Kernel:
         """Switch this kernel to eager for good, with one warning naming why."""
         self._failed = True
         self._compiled = None
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+        first_line = str(cause).splitlines()[0] if str(cause) else ""
         warnings.warn(
             f"fairseq-normplug: torch.compile of {self.__name__} failed "
-            f"({type(exc).__name__}: {first_line}); using the eager fast path",
+            f"({type(cause).__name__}: {first_line}); using the eager fast path",
             RuntimeWarning,
         )
 
