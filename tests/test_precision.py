@@ -7,6 +7,8 @@ import itertools
 import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.optim.fp16_optimizer import FP16Optimizer, MemoryEfficientFP16Optimizer
 
 from conftest import cli, run_cli
 from fairseq_normplug.modules import fused
@@ -133,6 +135,32 @@ def test_bf16_means_bfloat16_without_torch_xla(tiny_bin):
     """fairseq turns --bf16 into --tpu; without torch_xla the plugin takes that back."""
     args = parse_args(tiny_bin, TINY, "--bf16")
     assert args.bf16 and not args.tpu
+
+
+@pytest.mark.parametrize("optimizer", [FP16Optimizer, MemoryEfficientFP16Optimizer])
+@pytest.mark.parametrize("dtype_name", list(HALF))
+def test_fairseq_half_optimizers_update_float32_scalars(tiny_bin, optimizer, dtype_name):
+    """fairseq's wrappers (fp32 master copy / fp32 update math) with a half model whose g is
+    float32: a few steps, finite, and g moves in float32."""
+    flags = ["--fp16", "--fp16-no-flatten-grads"] if dtype_name == "float16" else ["--bf16"]
+    model, task, args = build(tiny_bin, TINY, "--prenorm", "--scalenorm", "--fixnorm",
+                              "--optimizer", "adam", "--lr", "1e-3", *flags)
+    model = model.to(HALF[dtype_name])
+    opt = optimizer.build_optimizer(convert_namespace_to_omegaconf(args),
+                                    [p for p in model.parameters() if p.requires_grad])
+    g = model.decoder.layer_norm.g
+    values = [g.item()]
+    for step in range(3):
+        src, lengths, prev = toy_batch(task, seed=step)
+        logits, _ = model(src, lengths, prev)
+        opt.backward(torch.nn.functional.cross_entropy(
+            logits.float().view(-1, logits.size(-1)), src.view(-1)))
+        assert torch.isfinite(opt.clip_grad_norm(1.0))
+        opt.step()
+        opt.zero_grad()
+        values.append(g.item())
+    assert g.dtype == torch.float32 and len(set(values)) == 4  # 8 - 1e-3 steps: below fp16/bf16 resolution
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 # fairseq's CPU limits, not the plugin's: the flattened FP16Optimizer asks for
