@@ -41,7 +41,12 @@ class FixNormTransformerDecoder(TransformerDecoderBase):
     logits are cosines scaled by the norm of the final hidden state."""
 
     def output_layer(self, features):
-        logits = F.linear(features, self.embed_tokens.normalized_weight())
+        # as one (rows, d) x (d, V) product: torch's matmul does not fold a 3-D input with
+        # decoding's strides into one GEMM when the weight needs no gradient (the cached
+        # matrix), and runs a GEMV per row instead, ~10x slower at a 32k vocabulary
+        rows = features.reshape(-1, features.size(-1))
+        logits = F.linear(rows, self.embed_tokens.normalized_weight())
+        logits = logits.view(*features.shape[:-1], logits.size(-1))
         return mask_padding_logit(logits, self.padding_idx)
 
 
