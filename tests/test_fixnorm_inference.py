@@ -103,6 +103,6 @@ def test_bench_decode_smoke(tmp_path):
     assert set(data["variants"]) == {"no-fixnorm", "fixnorm", "fixnorm-uncached"}
     for variant in data["variants"].values():
         assert len(variant["tokens_per_s"]) == 2 and all(t > 0 for t in variant["tokens_per_s"])
-        assert variant["ratio"] > 0
-    assert data["variants"]["no-fixnorm"]["ratio"] == 1.0
+        assert variant["ratio"] > 0 and variant["cpu_ratio"] > 0
+    assert data["variants"]["no-fixnorm"]["ratio"] == data["variants"]["no-fixnorm"]["cpu_ratio"] == 1.0
     assert "| fixnorm " in text and "vs no-fixnorm" in text
