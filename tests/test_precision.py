@@ -137,12 +137,19 @@ def test_bf16_means_bfloat16_without_torch_xla(tiny_bin):
     assert args.bf16 and not args.tpu
 
 
-@pytest.mark.parametrize("optimizer", [FP16Optimizer, MemoryEfficientFP16Optimizer])
+@pytest.mark.parametrize("optimizer,flatten", [(FP16Optimizer, True), (FP16Optimizer, False),
+                                              (MemoryEfficientFP16Optimizer, False)],
+                         ids=["FP16Optimizer", "FP16Optimizer-no-flatten", "MemoryEfficient"])
 @pytest.mark.parametrize("dtype_name", list(HALF))
-def test_fairseq_half_optimizers_update_float32_scalars(tiny_bin, optimizer, dtype_name):
+def test_fairseq_half_optimizers_update_float32_scalars(tiny_bin, monkeypatch, optimizer, flatten,
+                                                        dtype_name):
     """fairseq's wrappers (fp32 master copy / fp32 update math) with a half model whose g is
     float32: a few steps, finite, and g moves in float32."""
-    flags = ["--fp16", "--fp16-no-flatten-grads"] if dtype_name == "float16" else ["--bf16"]
+    flags = ["--fp16" if dtype_name == "float16" else "--bf16"]
+    if flatten:  # the GPU default: one flat fp32 copy keyed by the CUDA device (None on a CPU)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    else:
+        flags.append("--fp16-no-flatten-grads")
     model, task, args = build(tiny_bin, TINY, "--prenorm", "--scalenorm", "--fixnorm",
                               "--optimizer", "adam", "--lr", "1e-3", *flags)
     model = model.to(HALF[dtype_name])
