@@ -8,8 +8,12 @@ registers the ``transformer_normplug`` model with its presets and the ``inv_sqrt
 ``val_decay`` learning-rate schedulers, and allow-lists the classes fairseq checkpoints
 hold so that they load under torch >= 2.6's ``weights_only`` default.
 """
-from fairseq_normplug.checkpoint_compat import allow_fairseq_checkpoint_classes
-from fairseq_normplug.errors import NormplugError, install_one_line_errors
+from fairseq_normplug.install_plan import check_requirements
+
+check_requirements()  # one line naming the fix when fairseq is missing or torch is too old
+
+from fairseq_normplug.checkpoint_compat import allow_fairseq_checkpoint_classes  # noqa: E402
+from fairseq_normplug.errors import NormplugError, install_one_line_errors  # noqa: E402
 
 allow_fairseq_checkpoint_classes()
 install_one_line_errors()

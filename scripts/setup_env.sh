@@ -1,61 +1,70 @@
 #!/usr/bin/env bash
-# Create (or reuse) the virtual environment .venv/ with fairseq, a CPU build of torch and
-# this plugin installed in editable mode. Idempotent: a second run with the same settings
-# returns at once. Called by scripts/demo.sh and scripts/test.sh; safe to run by hand.
+# Create (or reuse) the virtual environment .venv/ with torch, fairseq and this plugin
+# (editable). Idempotent: a second run with the same settings returns at once. Called by
+# scripts/demo.sh and scripts/test.sh; safe to run by hand.
 #
-#   NORMPLUG_TORCH        torch requirement to install (default: torch==2.13.0, a CPU build
-#                         where this machine has it). GPU users: e.g. NORMPLUG_TORCH=torch==2.6.0
-#   NORMPLUG_TORCH_INDEX  optional --index-url for torch, e.g.
-#                         https://download.pytorch.org/whl/cu124
+# Which torch (fairseq_normplug/install_plan.py decides; the log says which and why):
+#   * no NVIDIA driver (nvidia-smi / /proc/driver/nvidia): a CPU build, from
+#     https://download.pytorch.org/whl/cpu, or from the default index where only that one is
+#     reachable and serves a CPU build; set-up stops (one line) rather than download a CUDA build;
+#   * an NVIDIA driver: the default index's build (on Linux x86_64 a CUDA build).
+#
+#   NORMPLUG_TORCH        torch requirement (default: torch==2.13.0)
+#   NORMPLUG_TORCH_INDEX  --index-url for torch, used as given (e.g.
+#                         https://download.pytorch.org/whl/cu126); skips the detection
+#   NORMPLUG_CUDA         1 or 0: take the NVIDIA-driver probe's answer as given
 #   NORMPLUG_VENV         where the environment lives (default: <repo>/.venv)
 #   PYTHON                interpreter used to create it (default: python3)
 #
-# fairseq's own requirements name torchaudio, which pins (and would silently replace) torch
-# with a multi-GB CUDA build; fairseq is therefore installed with --no-deps and its real
-# runtime requirements are listed below, all under a constraint that keeps torch fixed.
+# fairseq's own requirements name torchaudio, which pins (and would silently replace) torch;
+# fairseq is therefore built with --no-deps; its real runtime requirements come with the
+# plugin (setup.py), all installed under a constraint that keeps torch fixed.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${NORMPLUG_VENV:-$ROOT/.venv}
-TORCH_SPEC=${NORMPLUG_TORCH:-torch==2.13.0}
-TORCH_INDEX=${NORMPLUG_TORCH_INDEX:-}
 PYTHON=${PYTHON:-python3}
+PLAN_PY="$ROOT/fairseq_normplug/install_plan.py"
 
+log() { echo "[setup_env] $*" >&2; }
 stamp="$VENV/.normplug-setup"
-want="$TORCH_SPEC|$TORCH_INDEX|$(cat "$ROOT/setup.py" "$ROOT/scripts/setup_env.sh" | cksum)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+settings="${NORMPLUG_TORCH:-}|${NORMPLUG_TORCH_INDEX:-}|${NORMPLUG_CUDA:-}|$(cat "$ROOT/setup.py" "$PLAN_PY" "$ROOT/scripts/setup_env.sh" | cksum)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$settings" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
 
-log() { echo "[setup_env] $*" >&2; }
-log "preparing $VENV (torch: $TORCH_SPEC)"
+{ read -r TORCH_SPEC; read -r TORCH_INDEX; read -r TORCH_EXPECT; read -r TORCH_REASON; } \
+  < <("$PYTHON" "$PLAN_PY" torch)
+[ -n "${TORCH_EXPECT:-}" ] || { log "could not choose a torch build ($PLAN_PY torch failed)"; exit 1; }
+log "preparing $VENV; torch: $TORCH_SPEC ($TORCH_REASON)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip setuptools wheel
 
 torch_args=("$TORCH_SPEC")
 [ -n "$TORCH_INDEX" ] && torch_args+=(--index-url "$TORCH_INDEX")
+if [ "$TORCH_EXPECT" = cpu ] && [ -z "$TORCH_INDEX" ]; then
+  # the default index: look before downloading (a CUDA build is gigabytes)
+  report="$VENV/normplug-torch-report.json"
+  "${PIP[@]}" install -q --dry-run --report "$report" "${torch_args[@]}"
+  "$VENV/bin/python" "$PLAN_PY" check-report "$report"
+fi
 "${PIP[@]}" install -q "${torch_args[@]}"
+log "$(PYTHONWARNINGS=ignore "$VENV/bin/python" "$PLAN_PY" check-installed "$TORCH_EXPECT")"
 # Every later install must keep exactly the torch that is now there.
-torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+torch_version=$(PYTHONWARNINGS=ignore "$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
 constraints="$VENV/normplug-constraints.txt"
 echo "torch==$torch_version" > "$constraints"
 PIPC=("${PIP[@]}" install -q -c "$constraints")
 
 "${PIPC[@]}" numpy cython
-py_minor=$("$VENV/bin/python" -c 'import sys; print(sys.version_info[1])')
-if [ "$py_minor" -ge 11 ]; then
-  fairseq_req="fairseq-fixed==0.12.3.1"
-  fairseq_deps=(cffi "hydra-core==1.3.2" "omegaconf==2.3.0" regex tqdm bitarray scikit-learn packaging)
-else
-  fairseq_req="fairseq==0.12.2"
-  fairseq_deps=(cffi "hydra-core>=1.0.7,<1.1" "omegaconf<2.1" "numpy<1.24" regex tqdm bitarray scikit-learn packaging)
-fi
+fairseq_req=$("$VENV/bin/python" "$PLAN_PY" fairseq)
 if ! "$VENV/bin/python" -c 'import fairseq' >/dev/null 2>&1; then
   log "building $fairseq_req (compiles C++/Cython extensions: a few minutes, once)"
   "${PIPC[@]}" --no-build-isolation --no-deps "$fairseq_req"
 fi
-"${PIPC[@]}" "${fairseq_deps[@]}" "sacrebleu>=2.0" sentencepiece subword-nmt sacremoses matplotlib "pytest>=7"
-"${PIPC[@]}" --no-deps --no-build-isolation -e "$ROOT"
+# the plugin with its requirements (fairseq's runtime ones, tensorboardX, ...; see setup.py)
+"${PIPC[@]}" --no-build-isolation -e "$ROOT[test]"
+log "(a pip note that fairseq requires torchaudio is expected: fairseq is installed without its requirements)"
 "$VENV/bin/python" -c 'import fairseq_normplug' || { log "plugin import failed"; exit 1; }
-echo "$want" > "$stamp"
+echo "$settings" > "$stamp"
 log "ready: $VENV"

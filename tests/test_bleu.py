@@ -36,6 +36,14 @@ def test_tokenized_bleu_matches_a_hand_computation():
     assert "tok:none" in score.signature and "smooth:none" in score.signature
 
 
+def test_scores_record_the_hypothesis_reference_length_ratio():
+    scores = bleu.score_translation(HAND_HYPS, HAND_REFS)
+    assert (scores["sys_len"], scores["ref_len"]) == (9, 10) and scores["length_ratio"] == pytest.approx(0.9)
+    # scores.json written before length_ratio existed: from sys_len / ref_len
+    assert bleu.length_ratio({"sys_len": 22, "ref_len": 10}) == pytest.approx(2.2)
+    assert bleu.length_ratio({"sys_len": 3, "ref_len": 0}) is None and bleu.length_ratio({}) is None
+
+
 def test_tokenized_bleu_is_multi_bleu_unsmoothed_and_case_sensitive():
     # multi-bleu.perl: a zero 4-gram precision makes BLEU 0 (no smoothing)
     assert bleu.tokenized_bleu(["a b c"], ["a b c d"]).score == 0.0

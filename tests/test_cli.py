@@ -40,11 +40,12 @@ def log_records(proc, tag):
 
 @pytest.fixture(scope="module")
 def trained(tiny_bin, tmp_path_factory):
-    """Each combination trained for 30 updates, then resumed to 40."""
+    """Each combination trained for 30 updates (with TensorBoard logs), then resumed to 40."""
     runs = {}
     for name, flags in COMBINATIONS.items():
         save_dir = tmp_path_factory.mktemp(name)
-        first = train(tiny_bin, save_dir, flags, 30)
+        first = train(tiny_bin, save_dir, flags, 30,
+                      extra=["--tensorboard-logdir", str(save_dir / "tensorboard")])
         resumed = train(tiny_bin, save_dir, flags, 40)
         runs[name] = (save_dir, first, resumed)
     return runs
@@ -58,6 +59,29 @@ def test_train_and_resume(trained, name):
     assert "Loaded checkpoint" in resumed.stdout + resumed.stderr
     assert "@ 30 updates" in resumed.stdout + resumed.stderr
     assert log_records(resumed, "train")[-1]["train_num_updates"] == "40"
+
+
+def test_tensorboard_logdir_writes_event_files(trained):
+    save_dir, first, _ = trained["postnorm-layernorm"]
+    events = [os.path.join(d, f) for d, _, files in os.walk(save_dir / "tensorboard")
+              for f in files if f.startswith("events.out.tfevents")]
+    assert events and all(os.path.getsize(e) > 0 for e in events)
+    assert "Please install tensorboardX" not in first.stdout + first.stderr
+
+
+def test_generate_elsewhere_needs_the_user_dir_as_the_readme_says(trained, tiny_bin, tmp_path):
+    """README: outside the repository, pass --user-dir "$(fairseq-normplug-path)"; without
+    it fairseq's torch.load refuses the checkpoint (nothing imported the plugin)."""
+    save_dir, _, _ = trained["prenorm-scalenorm-fixnorm-smallinit"]
+    user_dir = run_cli([cli("fairseq-normplug-path")], cwd=str(tmp_path)).stdout.strip()
+    command = [cli("fairseq-generate"), tiny_bin, "--path", str(save_dir / "checkpoint_last.pt"),
+               "--beam", "2", "--cpu", "--gen-subset", "valid", "--max-tokens", "4000",
+               "--required-batch-size-multiple", "1"]
+    with_dir = run_cli(command + ["--user-dir", user_dir], cwd=str(tmp_path))
+    assert len([line for line in with_dir.stdout.splitlines() if line.startswith("H-")]) == 100
+    without = run_cli(command, cwd=str(tmp_path), check=False)
+    assert without.returncode != 0
+    assert "argparse.Namespace" in without.stderr
 
 
 @pytest.mark.parametrize("name", list(COMBINATIONS))

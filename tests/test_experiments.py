@@ -69,6 +69,7 @@ def test_results_table_and_figures(reproduced):
         if row["status"] == "ok":
             assert 0 <= float(row["tokenized_bleu"]) <= 100 and 0 <= float(row["sacrebleu"]) <= 100
             assert int(row["updates"]) == 40
+            assert float(row["length_ratio"]) > 0
     scaled = next(r for r in rows if r["row"] == "PreNorm + FixNorm + ScaleNorm")
     assert 0 < float(scaled["p_value"]) <= 1
     assert "tok:13a" in scaled["sacrebleu_signature"]

@@ -73,6 +73,34 @@ def test_write_results_csv_and_markdown(tmp_path):
     assert "sacreBLEU signature: `nrefs:1|case:mixed|tok:13a`" in md
 
 
+def test_runs_with_run_on_or_truncated_output_are_flagged(tmp_path):
+    """Hypothesis/reference length ratio outside 0.5-2: the BLEU gets the mark in both the
+    paper-style table and the run list, a footnote gives the ratio; the CSV keeps the ratio."""
+    paper = {"tables": {"t": {"title": "Table T", "pairs": ["aa-bb", "cc-dd"], "rows": {}}}}
+    rows = [run("t", "Long", "aa-bb", tokenized_bleu=0.63, length_ratio=2.2, p_value=0.001),
+            run("t", "Short", "aa-bb", tokenized_bleu=3.5, length_ratio=0.45),
+            run("t", "Fine", "aa-bb", tokenized_bleu=20.0, length_ratio=1.1),
+            run("t", "Edges", "aa-bb", tokenized_bleu=10.0, length_ratio=2.0),
+            run("t", "Edges", "cc-dd", tokenized_bleu=11.0, length_ratio=0.5),
+            run("t", "Unknown", "aa-bb", tokenized_bleu=12.0),
+            run("t", "Diverged", "aa-bb", status="diverged", length_ratio=3.0)]
+    csv_path, md_path = tables.write_results(rows, str(tmp_path), paper)
+    assert [r["length_ratio"] for r in tables.read_results_csv(csv_path)] == [2.2, 0.45, 1.1, 2.0, 0.5, None, 3.0]
+    md = open(md_path, encoding="utf-8").read()
+    mark = tables.LENGTH_MARK
+    assert "| Long | 0.63\u2021" + mark + " | - |" in md and "| Short | 3.50" + mark + " | - |" in md
+    assert "| Fine | 20.00 | - |" in md and "| Edges | 10.00 | 11.00 |" in md
+    assert "| Unknown | 12.00 | - |" in md and "| Diverged | *diverged* | - |" in md
+    assert "| t | Long | t/aa-bb/Long | aa-bb | ok |  |  | 0.63" + mark + " |  | 0.001 |" in md
+    assert md.count(mark) == 5  # two table cells, two run-list cells, one footnote
+    note = next(line for line in md.splitlines() if line.startswith(mark + " "))
+    assert "outside 0.5-2" in note and "Long (t, aa-bb): 2.20; Short (t, aa-bb): 0.45." in note
+    assert md.index(note) < md.index("## Table T")
+
+    _, clean_md = tables.write_results(rows[2:4], str(tmp_path / "clean"), paper)
+    assert mark not in open(clean_md, encoding="utf-8").read()
+
+
 def test_an_explicit_paper_number_wins_and_rows_outside_the_paper_are_kept(tmp_path):
     paper = {"tables": {"t": {"title": "Table T", "pairs": ["aa-bb"], "rows": {"Row R": {"aa-bb": 1.0}}}}}
     rows = [run("t", "Row R", "aa-bb", tokenized_bleu=2.0, paper_bleu=3.0), run("t", "other", "cc-dd", tokenized_bleu=4.0)]

@@ -249,12 +249,23 @@ def _reject_subwords(lines: Sequence[str], what: str) -> None:
                 f"--remove-bpe (or call remove_bpe()) before scoring")
 
 
+def length_ratio(scores: dict) -> Optional[float]:
+    """Hypothesis/reference token-length ratio ``sys_len / ref_len`` of a :func:`score_translation`
+    dict (also of scores.json files written before it recorded ``length_ratio``); None if unknown."""
+    if scores.get("length_ratio") is not None:
+        return scores["length_ratio"]
+    if scores.get("sys_len") is None or not scores.get("ref_len"):
+        return None
+    return scores["sys_len"] / scores["ref_len"]
+
+
 def score_translation(hyps: Sequence[str], refs: Sequence[str], lang: Optional[str] = None,
                       detok_refs: Optional[Sequence[str]] = None, compound_split: bool = False,
                       baseline_hyps: Optional[Sequence[str]] = None) -> dict:
     """Every score of one system, from tokenized BPE-free ``hyps`` and ``refs``, as a flat
     JSON-ready dict: ``tokenized_bleu`` with ``precisions``, ``brevity_penalty``,
-    ``sys_len``, ``ref_len``, ``bleu_signature`` and ``sentences``; with ``lang``:
+    ``sys_len``, ``ref_len``, ``length_ratio`` (``sys_len / ref_len``), ``bleu_signature``
+    and ``sentences``; with ``lang``:
     ``sacrebleu`` and ``sacrebleu_signature`` (hypotheses Moses-detokenized, against
     ``detok_refs``, the raw references, or else the Moses-detokenized ``refs``); with
     ``compound_split``: ``compound_split_bleu``; with ``baseline_hyps``: ``p_value``
@@ -265,6 +276,7 @@ def score_translation(hyps: Sequence[str], refs: Sequence[str], lang: Optional[s
     scores = {"tokenized_bleu": tok.score, "precisions": list(tok.precisions),
               "brevity_penalty": tok.brevity_penalty, "sys_len": tok.sys_len, "ref_len": tok.ref_len,
               "bleu_signature": tok.signature, "sentences": len(refs)}
+    scores["length_ratio"] = length_ratio(scores)
     if lang:
         detok = sacrebleu_detok(detokenize(hyps, lang),
                                 detokenize(refs, lang) if detok_refs is None else detok_refs, lang)

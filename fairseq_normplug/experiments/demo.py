@@ -8,30 +8,52 @@ By default the corpus is the project's SYNTHETIC one (fairseq_normplug.synthetic
 download; BLEU on it only shows that training works). ``--corpus DIR --src L --tgt L`` takes
 any raw parallel corpus laid out as {train,valid or dev,test}.{L} instead, e.g.
 ``--corpus ../shared/data/multi30k_de_en/raw --src de --tgt en``.
+
+The corpus is prepared (as by scripts/prepare_corpus.sh) into data/NAME-HASH/SRC-TGT-bpeN:
+NAME is the corpus folder's name (its parent's for raw, tok, tokenized or orig), HASH 8 hex
+digits of a sha256 of the folder's absolute path, its six files' content and --tokenized.
+A re-run reuses the prepared data; an edited or moved corpus is prepared anew into a new
+folder (older ones can be deleted), and corpora with the same folder name never collide.
 """
 import argparse
 import dataclasses
+import hashlib
+import json
 import os
-import subprocess
 import sys
 import time
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import REPO, load_recipes, load_table
 from fairseq_normplug.experiments.reproduce import run_table
+from fairseq_normplug.prepare import corpus as prepare_corpus
+from fairseq_normplug.prepare.download import sha256_of
+from fairseq_normplug.prepare.pipeline import FolderConflict
 from fairseq_normplug.synthetic_corpus import SRC_LANG, TGT_LANG, write_corpus
 
 PRESETS = {"tiny": "cpu_tiny", "small": "cpu_small"}
-SYNTHETIC_DIR = os.path.join(REPO, "data", "synthetic")
+DATA_ROOT = os.path.join(REPO, "data")
+SYNTHETIC_DIR = os.path.join(DATA_ROOT, "synthetic")
+
+
+def corpus_folder(raw_dir: str, src: str, tgt: str, tokenized: bool) -> str:
+    """``NAME-HASH``, the data/ folder of a corpus: unique to its location, content and
+    --tokenized (all of which shape the prepared data; see the module docstring)."""
+    files = prepare_corpus.find_split_files(raw_dir, src, tgt)
+    identity = {"raw_dir": os.path.abspath(raw_dir), "tokenized": tokenized,
+                "files": {f"{split}.{lang}": sha256_of(path) for (split, lang), path in sorted(files.items())}}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode("utf-8")).hexdigest()
+    return f"{prepare_corpus.corpus_name(raw_dir)}-{digest[:8]}"
 
 
 def prepare(raw_dir: str, src: str, tgt: str, dest: str, tokenized: bool, bpe_merges: int) -> str:
-    """Tokenize/BPE/binarize ``raw_dir`` into ``dest`` with the project's data pipeline."""
-    command = [sys.executable, "-m", "fairseq_normplug.prepare.corpus", raw_dir, "--src", src, "--tgt", tgt,
-               "--dest", dest, "--bpe-merges", str(bpe_merges)] + (["--tokenized"] if tokenized else [])
-    proc = subprocess.run(command)
-    if proc.returncode != 0:
-        raise NormplugError(f"preparing {raw_dir} failed (exit {proc.returncode}); see the messages above")
+    """Tokenize/BPE/binarize ``raw_dir`` into ``dest`` with scripts/prepare_corpus.sh's code."""
+    argv = [raw_dir, "--src", src, "--tgt", tgt, "--dest", dest, "--bpe-merges", str(bpe_merges)]
+    try:
+        prepare_corpus.main(argv + (["--tokenized"] if tokenized else []))
+    except FolderConflict as conflict:  # its advice names prepare_corpus.sh's options
+        raise NormplugError(f"{conflict.problem}; delete that folder to let demo.sh prepare the "
+                            "corpus again") from None
     return dest
 
 
@@ -57,8 +79,7 @@ def main(argv=None):
     try:
         if args.corpus:
             raw, src, tgt, tokenized = args.corpus, args.src, args.tgt, args.tokenized
-            name = os.path.basename(os.path.normpath(raw))
-            name = os.path.basename(os.path.dirname(os.path.normpath(raw))) if name in ("raw", "tok") else name
+            name = prepare_corpus.corpus_name(raw)
         else:
             raw = os.path.join(SYNTHETIC_DIR, "raw")
             if not os.path.exists(os.path.join(raw, "README")):
@@ -66,8 +87,8 @@ def main(argv=None):
                 write_corpus(raw)
             src, tgt, tokenized, name = SRC_LANG, TGT_LANG, True, "synthetic"
         pair = f"{src}-{tgt}"
-        data_dir = prepare(raw, src, tgt, os.path.join(REPO, "data", name, f"{pair}-bpe{args.bpe_merges}"),
-                           tokenized, args.bpe_merges)
+        dest = os.path.join(DATA_ROOT, corpus_folder(raw, src, tgt, tokenized), f"{pair}-bpe{args.bpe_merges}")
+        data_dir = prepare(raw, src, tgt, dest, tokenized, args.bpe_merges)
         table = load_table("demo")
         table = dataclasses.replace(table, recipe=load_recipes()[PRESETS[args.preset]], pairs=[pair],
                                     title=f"{table.title} ({name}, preset {args.preset})")

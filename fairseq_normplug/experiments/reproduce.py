@@ -57,6 +57,7 @@ def result_rows(table: Table, runs: List[Run]) -> List[dict]:
             "config": " ".join(run.row.model + [f"schedule={run.row.schedule}"]),
             "tokenized_bleu": scores.get("tokenized_bleu"), "sacrebleu": scores.get("sacrebleu"),
             "sacrebleu_signature": scores.get("sacrebleu_signature"), "p_value": p_value,
+            "length_ratio": bleu.length_ratio(scores),
             "status": RESULT_STATUS.get(status["status"], status["status"]),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
         })

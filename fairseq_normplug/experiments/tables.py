@@ -11,6 +11,8 @@ A result row is a dict with the keys of :data:`FIELDS`:
 * ``config``: the run's configuration name;
 * ``tokenized_bleu``: the paper's metric; ``sacrebleu`` + ``sacrebleu_signature``;
 * ``p_value``: paired bootstrap p-value against the row's baseline row (None for a baseline);
+* ``length_ratio``: test hypotheses' token length over the references' (``sys_len / ref_len``);
+  outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
 * ``paper_bleu``: the paper's number (filled from configs/paper_results.json when None).
 """
@@ -29,11 +31,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running")
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
-          "p_value", "status", "updates", "minutes", "paper_bleu")
+          "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
-FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu")
+FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu", "length_ratio")
 INT_FIELDS = ("updates",)
 SIGNIFICANCE_MARKS = ((0.01, "\u2021"), (0.05, "\u2020"))  # double dagger, dagger
+#: a BLEU whose hypotheses are this much shorter or longer than the references is flagged
+LENGTH_RATIO_RANGE = (0.5, 2.0)
+LENGTH_MARK = "\u00a7"  # section sign
 LEGEND = (
     "Cells: our test BLEU (tokenized, multi-bleu.perl equivalent), the paper's number in "
     "parentheses where the paper reports one; `-` no run. "
@@ -142,6 +147,25 @@ def significance_mark(p_value: Optional[float]) -> str:
     return ""
 
 
+def length_mark(ratio: Optional[float]) -> str:
+    """:data:`LENGTH_MARK` when the hypothesis/reference length ratio lies outside
+    :data:`LENGTH_RATIO_RANGE` (a BLEU of run-on or truncated output), else nothing."""
+    low, high = LENGTH_RATIO_RANGE
+    return LENGTH_MARK if ratio is not None and not low <= ratio <= high else ""
+
+
+def _length_note(rows: Sequence[dict]) -> List[str]:
+    """The footnote of :data:`LENGTH_MARK`, naming each flagged run and its ratio."""
+    flagged = [r for r in rows if r["tokenized_bleu"] is not None and length_mark(r["length_ratio"])]
+    if not flagged:
+        return []
+    low, high = LENGTH_RATIO_RANGE
+    ratios = "; ".join(f"{r['row']} ({r['table']}, {r['pair']}): {r['length_ratio']:.2f}" for r in flagged)
+    return [f"{LENGTH_MARK} test hypotheses far shorter or longer than the references (hypothesis/"
+            f"reference token-length ratio outside {low:g}-{high:g}): such a BLEU mostly measures "
+            f"truncated or run-on output, not translation quality. Ratios: {ratios}.", ""]
+
+
 def _pair_label(pair: str) -> str:
     return pair.replace("-", "\u2192") if re.fullmatch(r"[a-z]{2,3}-[a-z]{2,3}", pair) else pair
 
@@ -158,7 +182,8 @@ def _cell(run: Optional[dict], paper_number: Optional[float]) -> str:
     if run is None:
         ours = "-"
     elif run["status"] == "ok":
-        ours = f"{run['tokenized_bleu']:.2f}{significance_mark(run['p_value'])}"
+        ours = (f"{run['tokenized_bleu']:.2f}{significance_mark(run['p_value'])}"
+                f"{length_mark(run['length_ratio'])}")
     else:
         ours = f"*{run['status']}*"
     return ours if paper_number is None else f"{ours} ({paper_number:.2f})"
@@ -201,12 +226,13 @@ def _runs_section(rows: List[dict]) -> List[str]:
              "| table | row | config | pair | status | updates | minutes | BLEU | sacreBLEU | p |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        sacre = _num(r["sacrebleu"])
+        sacre, bleu = _num(r["sacrebleu"]), _num(r["tokenized_bleu"])
+        bleu += length_mark(r["length_ratio"]) if bleu else ""
         if sacre and len(signatures) > 1:
             sacre += f" [{signatures.index(r['sacrebleu_signature']) + 1}]"
         values = [r["table"], r["row"], r["config"], r["pair"], r["status"],
                   "" if r["updates"] is None else r["updates"], _num(r["minutes"], 1),
-                  _num(r["tokenized_bleu"]), sacre, "" if r["p_value"] is None else f"{r['p_value']:.3g}"]
+                  bleu, sacre, "" if r["p_value"] is None else f"{r['p_value']:.3g}"]
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")
     if len(signatures) == 1:
@@ -218,7 +244,7 @@ def _runs_section(rows: List[dict]) -> List[str]:
 
 def render_markdown(rows: Sequence[dict], paper: dict, title: str = "Results") -> str:
     """The Markdown report of normalized ``rows``: one section per paper table, then every run."""
-    lines = [f"# {title}", "", LEGEND, ""]
+    lines = [f"# {title}", "", LEGEND, ""] + _length_note(rows)
     for table in dict.fromkeys(row["table"] for row in rows):
         lines += _table_section(table, [row for row in rows if row["table"] == table], paper)
     return "\n".join(lines + _runs_section(list(rows)))

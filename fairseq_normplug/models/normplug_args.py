@@ -9,8 +9,6 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_registry import DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
 
-logger = logging.getLogger(__name__)
-
 NORM_SHORTHANDS = ("scalenorm", "rmsnorm", "dyt")  # --scalenorm = --norm-type scalenorm, ...
 DEFAULTS = {
     "prenorm": False,
@@ -31,6 +29,7 @@ DEFAULTS = {
     "norm_stats_interval": 0,
 }
 DYT_DEFAULT_ALPHA = 0.5
+logger = logging.getLogger(__name__)
 
 
 def add_normplug_args(parser) -> None:
@@ -62,7 +61,7 @@ def add_normplug_args(parser) -> None:
         help="keep DyT alpha fixed at its initial value (DyT paper's 'no learnable alpha' ablation)")
     add("--fixnorm", action="store_true",
         help="FixNorm: l2-normalised word embeddings, U(-0.01,0.01) init, tied output layer "
-             "(needs --share-decoder-input-output-embed or --share-all-embeddings)")
+             "(implies --share-decoder-input-output-embed unless --share-all-embeddings)")
     add("--weight-init", choices=WEIGHT_INITS,
         help="attention/FFN init: fairseq's own (default), xavier (the paper's Xavier-normal "
              "baseline) or smallinit")
@@ -137,6 +136,17 @@ def bf16_without_tpu(args) -> None:
         args.tpu = False
 
 
+def _tie_output_layer_for_fixnorm(args) -> None:
+    """FixNorm is defined on the tied output layer (Tears eq. 10), so ``--fixnorm`` implies
+    ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output layer
+    (the sharing flags are store_true), so there is no explicit request to refuse."""
+    if getattr(args, "share_decoder_input_output_embed", False) or getattr(args, "share_all_embeddings", False):
+        return
+    args.share_decoder_input_output_embed = True
+    logger.info("--fixnorm: tying the output layer to the target embeddings "
+                "(--share-decoder-input-output-embed)")
+
+
 def resolve_normplug_args(args) -> NormplugSettings:
     """Validate the plugin flags on ``args`` (in place: defaults, --prenorm -> fairseq's
     normalize_before flags, shorthands -> norm_type) and return the resolved settings.
@@ -174,11 +184,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
     args.weight_init = weight_init
 
     if args.fixnorm:
-        tied = getattr(args, "share_decoder_input_output_embed", False) or getattr(
-            args, "share_all_embeddings", False)
-        _require(tied, "--fixnorm needs the output layer tied to the target embeddings: pass "
-                       "--share-decoder-input-output-embed (any dictionaries) or "
-                       "--share-all-embeddings (joined dictionary)")
+        _tie_output_layer_for_fixnorm(args)
         _require(not getattr(args, "adaptive_softmax_cutoff", None),
                  "--fixnorm cannot be combined with --adaptive-softmax-cutoff "
                  f"(got {getattr(args, 'adaptive_softmax_cutoff', None)})")

@@ -75,6 +75,16 @@ class Options:
     overwrite: bool
 
 
+class FolderConflict(NormplugError):
+    """``DEST`` exists and may not be reused or replaced as it is. The message ends with what
+    the prepare_* commands offer (``--overwrite``, ``--dest``); :attr:`problem` is the message
+    without that advice, for callers that offer other options (scripts/demo.sh)."""
+
+    def __init__(self, problem: str, advice: str):
+        super().__init__(f"{problem}; {advice}")
+        self.problem = problem
+
+
 def default_dest(corpus: str, src: str, tgt: str) -> str:
     return os.path.join(DATA_ROOT, corpus, f"{src}-{tgt}")
 
@@ -123,7 +133,7 @@ def recipe_of(corpus: Corpus, options: Options) -> dict:
 def is_up_to_date(dest: str, recipe: dict, overwrite: bool) -> bool:
     """True if ``dest`` was already made with ``recipe``, is complete, and ``overwrite`` is off.
 
-    Raises :class:`NormplugError` if ``dest`` exists but was made with another recipe (and
+    Raises :class:`FolderConflict` if ``dest`` exists but was made with another recipe (and
     ``overwrite`` is off) or was not made by these scripts at all (never replaced).
     """
     if not os.path.exists(dest):
@@ -132,8 +142,8 @@ def is_up_to_date(dest: str, recipe: dict, overwrite: bool) -> bool:
     if manifest is None:
         if os.path.isdir(dest) and not os.listdir(dest):
             return False
-        raise NormplugError(f"{dest} exists and was not made by these scripts (no readable "
-                            f"{MANIFEST}); choose another --dest or remove it yourself")
+        raise FolderConflict(f"{dest} exists and was not made by these scripts (no readable {MANIFEST})",
+                             "choose another --dest or remove it yourself")
     if overwrite:
         return False
     if manifest.get("recipe") == recipe:
@@ -141,8 +151,8 @@ def is_up_to_date(dest: str, recipe: dict, overwrite: bool) -> bool:
     old = manifest.get("recipe", {})
     changes = ", ".join(f"{key}: {json.dumps(old.get(key))} -> {json.dumps(recipe.get(key))}"
                         for key in sorted(set(old) | set(recipe)) if old.get(key) != recipe.get(key))
-    raise NormplugError(f"{dest} was prepared with other options ({changes}); pass --overwrite "
-                        "to replace it, or choose another --dest")
+    raise FolderConflict(f"{dest} was prepared with other options ({changes})",
+                         "pass --overwrite to replace it, or choose another --dest")
 
 
 def binarized_files_missing(dest: str, src: str, tgt: str) -> List[str]:

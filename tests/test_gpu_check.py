@@ -1,0 +1,130 @@
+"""scripts/gpu_check.sh's logic on CPU: the test mode end to end at toy sizes, the refusal
+without CUDA, and the verdicts on broken runs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from fairseq_normplug.bench import gpu_check
+from fairseq_normplug.bench.gpu_check import Deadline, Report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without a CUDA device")
+def test_refuses_in_one_line_without_cuda(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fairseq_normplug.bench.gpu_check", "--out",
+                           str(tmp_path / "r.md")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "no CUDA device" in proc.stderr and "--device cpu" in proc.stderr
+    assert not os.listdir(tmp_path)
+
+
+def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path):
+    out = tmp_path / "report" / "gpu_check.md"
+    status = gpu_check.main(["--device", "cpu", "--data", tiny_bin, "--workdir",
+                             str(tmp_path / "work"), "--out", str(out), "--budget-s", "3000"])
+    report = json.loads(out.with_suffix(".json").read_text())
+    failed = [c for c in report["checks"] if c["status"] != "pass"]
+    assert status == 0 and report["status"] == "pass", failed
+    assert sorted(os.listdir(out.parent)) == ["gpu_check.json", "gpu_check.md"]  # no temp files
+    by_section = {}
+    for check in report["checks"]:
+        by_section.setdefault(check["section"], []).append(check)
+    assert list(by_section) == gpu_check.SECTIONS or set(by_section) == set(gpu_check.SECTIONS)
+
+    norms = {c["name"]: c["numbers"] for c in by_section["norm_paths"]}
+    assert len(norms) == 5 * 3 and norms["scalenorm float32"]["path"] == "native"
+    assert norms["dyt-sigmoid float16"]["value_err"] < 2e-3
+    assert all(n["grad_err"] > 0 for name, n in norms.items() if "float16" in name)
+
+    train = {c["name"]: c["numbers"] for c in by_section["train_half"]}
+    assert set(train) == {"postnorm-layernorm", gpu_check.FIXNORM_ROW}
+    for numbers in train.values():
+        assert numbers["updates"] == 8 and numbers["last_loss"] < numbers["first_loss"]
+
+    (generate,) = by_section["generate"]
+    assert generate["numbers"]["hypotheses"] == generate["numbers"]["sentences"] == 100
+    assert generate["numbers"]["tok_s"] > 0
+
+    bench = {c["name"]: c["numbers"] for c in by_section["bench_norms"]}
+    assert bench["rmsnorm 4x2x16 bfloat16"]["f+b/LN"] > 0
+    trains = {c["name"]: c["numbers"] for c in by_section["bench_train"]}
+    assert trains["stock"]["vs_stock"] == 1.0 and trains["off"]["tok_s"] > 0
+
+    text = out.read_text()
+    assert "**PASS**" in text
+    for section in gpu_check.SECTIONS:
+        assert f"## {section}" in text
+    assert "| prenorm-scalenorm-fixnorm-smallinit | pass" in text
+
+
+def test_a_failing_section_does_not_stop_the_others(monkeypatch, tmp_path):
+    def broken(*args):
+        raise RuntimeError("kernel exploded\nCUDA error: out of memory")
+
+    def fine(report, *args):
+        report.add("bench_train", "stock", "pass", {"tok_s": 1.0})
+
+    monkeypatch.setattr(gpu_check, "run_norm_paths", broken)
+    monkeypatch.setattr(gpu_check, "run_bench_norms", broken)
+    monkeypatch.setattr(gpu_check, "run_bench_train", fine)
+    out = tmp_path / "r.md"
+    status = gpu_check.main(["--device", "cpu", "--sections", "norm_paths,bench_norms,bench_train",
+                             "--workdir", str(tmp_path), "--out", str(out)])
+    checks = json.loads(out.with_suffix(".json").read_text())["checks"]
+    assert status == 1
+    assert [(c["section"], c["status"]) for c in checks] == [
+        ("norm_paths", "fail"), ("bench_norms", "fail"), ("bench_train", "pass")]
+    assert checks[0]["detail"] == "RuntimeError: CUDA error: out of memory"
+    assert "**FAIL**: 1 pass, 2 fail" in out.read_text()
+
+
+def train_log(losses, last_update):
+    lines = [f'2026 | INFO | train_inner | {{"loss": "{v}", "num_updates": "{(i + 1) * 10}", '
+             f'"wps": "1000", "loss_scale": "{2 ** (7 - i)}"}}' for i, v in enumerate(losses)]
+    return "\n".join(lines + [f'x | INFO | train | {{"train_num_updates": "{last_update}"}}'])
+
+
+def test_training_verdicts():
+    good = gpu_check.judge_training(train_log([9.1, 7.2, 5.0], 30), 0, 30)
+    assert good["status"] == "pass"
+    assert good["numbers"] == {"updates": 30, "first_loss": 9.1, "last_loss": 5.0,
+                               "tok_s": 1000, "min_loss_scale": 32.0}
+    nan = gpu_check.judge_training(train_log([9.1, "nan", 5.0], 30), 0, 30)
+    assert (nan["status"], nan["detail"]) == ("fail", "non-finite loss")
+    flat = gpu_check.judge_training(train_log([9.1, 9.3], 20), 0, 20)
+    assert "loss did not decrease (9.100 -> 9.300)" in flat["detail"]
+    short = gpu_check.judge_training(train_log([9.1, 7.0], 20), 0, 200)
+    assert short["detail"] == "stopped at update 20 of 200"
+    crashed = gpu_check.judge_training(train_log([9.1], 10) + "\nFloatingPointError: Minimum "
+                                       "loss scale reached (0.0001).", 1, 200)
+    assert crashed["status"] == "fail" and "exit status 1: FloatingPointError" in crashed["detail"]
+
+
+def test_generation_verdicts():
+    out = "S-0\ta b\nH-0\t-0.5\tx y\nS-1\tc\nH-1\t-0.7\tz\n"
+    err = ("Translated 2 sentences (5 tokens) in 0.1s (20.00 sentences/s, 50.00 tokens/s)\n"
+           "Generate test with beam=4: BLEU4 = 12.34, 50.0/20.0/10.0/5.0")
+    good = gpu_check.judge_generation(out, err, 0)
+    assert good["status"] == "pass"
+    assert good["numbers"] == {"sentences": 2, "hypotheses": 2, "tok_s": 50.0, "bleu": 12.34}
+    nan = gpu_check.judge_generation(out.replace("-0.7", "nan"), err, 0)
+    assert nan["detail"] == "non-finite hypothesis scores"
+    lost = gpu_check.judge_generation("S-0\ta\nS-1\tb\nH-0\t-1\tx\n", "AssertionError: 200 < 200",
+                                      1)
+    assert lost["detail"] == ("exit status 1: AssertionError: 200 < 200; "
+                              "1 hypotheses for 2 sentences")
+
+
+def test_runs_past_the_budget_are_skipped_not_started(tmp_path):
+    report = Report()
+    jobs = [{"name": f"run{i}", "cmd": [sys.executable, "-c", "raise SystemExit(3)"],
+             "log": str(tmp_path / f"{i}.log"), "updates": 1} for i in range(2)]
+    gpu_check.run_trainings(report, jobs, 1, Deadline(0))
+    assert [(c["name"], c["status"]) for c in report.checks] == [("run0", "skipped"),
+                                                                 ("run1", "skipped")]
+    assert not report.passed()
