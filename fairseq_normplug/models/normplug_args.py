@@ -2,6 +2,7 @@
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
 import argparse
+import importlib.util
 import logging
 from dataclasses import dataclass
 
@@ -175,6 +176,17 @@ def _check_auto_precision(args) -> None:
              f"{_flag(autos[0]) if autos else ''} auto cannot be combined with --{low[0] if low else ''} "
              f"(its fp32 master weights are copied before the first batch); use --amp or "
              f"--memory-efficient-{low[0] if low else ''}")
+
+
+def bf16_without_tpu(args) -> None:
+    """Let ``--bf16`` mean bfloat16 on a GPU or CPU. fairseq's argument parser turns every
+    ``--bf16`` into ``--tpu`` (a TPU-era shortcut), which then fails in ``torch_xla`` on any
+    other machine; where ``torch_xla`` is not installed that can only be a mistake, so the
+    TPU switch is taken back (on a TPU machine nothing changes)."""
+    if (getattr(args, "bf16", False) and getattr(args, "tpu", False)
+            and importlib.util.find_spec("torch_xla") is None):
+        logger.info("--bf16 without torch_xla installed: bfloat16 on the GPU or CPU, not a TPU")
+        args.tpu = False
 
 
 def _tie_output_layer_for_fixnorm(args) -> None:

@@ -108,8 +108,9 @@ class DynamicTanh(FormulaNorm):
     Table 9); ``learnable_alpha=False`` freezes alpha at ``alpha_init`` (with alpha_init=1
     that is the paper's "without alpha" ablation, squash(x)). ``init_from_input`` sets
     alpha0 = 1/std of the input (``--dyt-alpha-init auto``; the paper's section 6: learned
-    alpha tracks 1/std). Computed in float32 whatever the input dtype; ``forward`` runs the
-    fused fast path :func:`dynamic_tanh`.
+    alpha tracks 1/std). Computed in float32 whatever the input dtype; alpha stays float32
+    when the model is cast to fp16/bf16 (``float32_params.py``), so its gradient is summed
+    and stored in float32. ``forward`` runs the fused fast path :func:`dynamic_tanh`.
     """
 
     auto_init_parameter = "alpha"

@@ -8,7 +8,8 @@ class supplies the rest:
   (float64 stays float64, for gradcheck), the output in the input's dtype; autograd derives
   the backward; it runs unchanged on CPU and GPU;
 - ``fast_path(x)`` = ``"plain"`` (no hand-written kernel);
-- ``extra_repr``: the width and the scalar parameters.
+- ``extra_repr``: the width and the scalar parameters;
+- scalar parameters (g, alpha, ...) that stay float32 when the model is cast to fp16/bf16.
 
 ScaleNorm, RMSNorm and DyT override ``forward`` and ``fast_path`` with their optional fast
 paths (``fused.py``, ``native.py``, ``csrc/``); ``reference`` stays the plain formula, which
@@ -24,6 +25,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from fairseq_normplug.modules.float32_params import Float32Params
 from fairseq_normplug.modules.fused import upcast
 
 
@@ -32,8 +34,9 @@ def inverse_std(mean: float, mean_square: float) -> float:
     return 1.0 / max(math.sqrt(max(mean_square - mean * mean, 0.0)), 1e-6)
 
 
-class FormulaNorm(nn.Module):
-    """Base of the plugin's norms: ``formula`` is the paper's equation, the rest is generic."""
+class FormulaNorm(Float32Params):
+    """Base of the plugin's norms: ``formula`` is the paper's equation, the rest is generic.
+    Scalar parameters stay float32 in fp16/bf16 models (``float32_params.py``)."""
 
     #: name of the scalar parameter ``init_from_input`` sets (None: no data-driven init)
     auto_init_parameter: Optional[str] = None

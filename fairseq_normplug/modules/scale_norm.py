@@ -73,9 +73,10 @@ def scale_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
 class ScaleNorm(FormulaNorm):
     """ScaleNorm(x) = g * x / max(||x||, eps): one learned scalar ``g`` per norm, g0 = sqrt(d).
 
-    Statistics are computed in float32 whatever the input dtype (fp16/bf16 training).
-    ``forward`` runs the fused fast path :func:`scale_norm`.
-    ``learnable=False`` freezes g (the paper's fixed-g rows of Table 7).
+    Statistics are computed in float32 whatever the input dtype (fp16/bf16 training), and g
+    stays float32 when the model is cast to fp16/bf16 (``float32_params.py``), so its
+    gradient is summed and stored in float32. ``forward`` runs the fused fast path
+    :func:`scale_norm`. ``learnable=False`` freezes g (the paper's fixed-g rows of Table 7).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, learnable: bool = True):
