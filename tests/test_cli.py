@@ -163,6 +163,7 @@ def test_norm_stats_are_logged(tiny_bin, tmp_path):
 BAD_CLI = [
     (["--scalenorm", "--dyt"], "two norm types at once: --scalenorm and --dyt"),
     (["--dyt", "--dyt-alpha-init", "0"], "--dyt-alpha-init must be > 0, got 0.0"),
+    (["--dyt-alpha-init", "auto"], "--dyt-alpha-init needs --norm-type dyt (or --dyt), got --norm-type layernorm"),
     (["--prenorm", "--postnorm"], "--prenorm contradicts --postnorm"),
 ]
 
@@ -179,27 +180,81 @@ def test_bad_input_on_the_command_line(tmp_path, flags, message):
     assert len(errors) == 1 and message in errors[0]
 
 
-def test_data_parallel_on_cpu_with_gloo(tiny_bin, tmp_path):
-    """Two CPU processes train one model data-parallel (docs/experiments.md)."""
+def train_data_parallel(data_bin, save_dir, flags, max_update, program=(cli("fairseq-train"),), env=None):
+    """Two CPU processes (gloo) train one model data-parallel; returns their outputs."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = [cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *TRAIN_COMMON,
-              "--prenorm", "--scalenorm", "--max-update", "6", "--log-interval", "3",
-              "--save-dir", str(tmp_path), "--distributed-world-size", "2", "--distributed-backend", "gloo",
+    common = [*program, data_bin, "--arch", "transformer_normplug_tiny", *TRAIN_COMMON, *flags,
+              "--max-update", str(max_update), "--log-interval", "3",
+              "--save-dir", str(save_dir), "--distributed-world-size", "2", "--distributed-backend", "gloo",
               "--ddp-backend", "legacy_ddp", "--distributed-no-spawn", "--device-id", "0",
               "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     procs = [subprocess.Popen(common + ["--distributed-rank", str(rank)], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in (0, 1)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "training on 2 devices" in outputs[0]
+    return outputs
+
+
+def test_data_parallel_on_cpu_with_gloo(tiny_bin, tmp_path):
+    """Two CPU processes train one model data-parallel (docs/experiments.md)."""
+    outputs = train_data_parallel(tiny_bin, tmp_path, ["--prenorm", "--scalenorm"], 6)
     assert '"train_num_updates": "6"' in outputs[0]
     assert os.path.exists(tmp_path / "checkpoint_last.pt")
+
+
+def test_auto_alpha_init_agrees_across_data_parallel_ranks(tiny_bin, tmp_path):
+    """--dyt-alpha-init auto under 2-process data parallelism: the ranks see different
+    batches, yet after the init and 3 updates their parameters are identical."""
+    import torch
+
+    dump = tmp_path / "params"
+    dump.mkdir()
+    outputs = train_data_parallel(
+        tiny_bin, tmp_path, ["--prenorm", "--dyt", "--dyt-alpha-init", "auto", "--no-save"], 3,
+        program=(sys.executable, os.path.join(REPO, "tests", "train_dump_params.py")),
+        env={"DUMP_PARAMS_DIR": str(dump)})
+    logged = [line for line in outputs[0].splitlines() if "auto init of alpha" in line]
+    assert len(logged) == 1 and "2 data-parallel ranks" in logged[0]
+    ranks = [torch.load(dump / f"rank{r}.pt") for r in (0, 1)]
+    alphas = {k: v.item() for k, v in ranks[0].items() if k.endswith(".alpha")}
+    assert len(alphas) == 12 and all(abs(a - 0.5) > 1e-3 for a in alphas.values()), alphas
+    assert ranks[0].keys() == ranks[1].keys()
+    for name in ranks[0]:
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+
+
+NEW_NORMS = {
+    "derf": ["--norm-type", "derf", "--derf-alpha-init", "auto"],
+    "dyisru": ["--norm-type", "dyisru"],
+    "identity": ["--norm-type", "identity"],
+}
+
+
+def test_new_norm_types_train_resume_and_generate(tiny_bin, tmp_path):
+    """derf (with auto init), dyisru and identity: train, resume (no second auto init), and
+    decode incrementally from the reloaded checkpoints (one ensemble of the three)."""
+    checkpoints = []
+    for name, flags in NEW_NORMS.items():
+        first = train(tiny_bin, tmp_path / name, ["--prenorm", *flags], 4)
+        assert log_records(first, "train")[-1]["train_num_updates"] == "4"
+        assert ("auto init of alpha" in first.stdout + first.stderr) == (name == "derf")
+        checkpoints.append(str(tmp_path / name / "checkpoint_last.pt"))
+    resumed = train(tiny_bin, tmp_path / "derf", ["--prenorm", *NEW_NORMS["derf"]], 6)
+    assert "@ 4 updates" in resumed.stdout + resumed.stderr
+    assert "auto init" not in resumed.stdout + resumed.stderr
+    assert log_records(resumed, "train")[-1]["train_num_updates"] == "6"
+    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                    ":".join(checkpoints), "--beam", "2", "--cpu", "--max-tokens", "4000",
+                    "--gen-subset", "valid", "--required-batch-size-multiple", "1"])
+    hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
+    assert len(hypotheses) == 100 and not any("<pad>" in h for h in hypotheses)
 
 
 @pytest.mark.parametrize("where", ["repository root, relative --user-dir", "elsewhere, fairseq-normplug-path"])

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -191,22 +192,61 @@ def test_paths_disabled_by_environment(env, expected):
     assert path_taken == expected and float(error) < 1e-5
 
 
-def test_compile_failure_falls_back_to_eager(monkeypatch):
-    def broken_compile(fn, **kwargs):
+def _fails_in_torch_compile(fn, **kwargs):
+    raise RuntimeError("torch.compile is not supported on this platform")
+
+
+def _fails_when_first_compiled(fn, **kwargs):
+    def run(*args):  # what inductor raises without a working C++ compiler or triton
+        raise torch._dynamo.exc.BackendCompilerFailed(run, RuntimeError("no C++ compiler"), None)
+    return run
+
+
+@pytest.fixture
+def scratch_kernel():
+    """A kernel ``x * w`` of its own (taken out of ``Kernel.instances`` afterwards) and an
+    input that takes the compiled path."""
+    def scratch_scale(x, w):
+        return x * w
+
+    kernel = fused.Kernel(scratch_scale)
+    yield kernel, make_input(TRAIN_SHAPE).reshape(-1, D), torch.rand(D)
+    fused.Kernel.instances.remove(kernel)
+
+
+@pytest.mark.parametrize("broken_compile,message", [
+    (_fails_in_torch_compile, "not supported on this platform"),
+    (_fails_when_first_compiled, "RuntimeError: no C\\+\\+ compiler"),
+])
+def test_compile_failure_falls_back_to_eager_once(monkeypatch, scratch_kernel, broken_compile,
+                                                   message):
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    kernel, x, w = scratch_kernel
+    assert kernel.path(x) == "compiled"
+    with pytest.warns(RuntimeWarning, match=message):
+        out = kernel(x, w)
+    torch.testing.assert_close(out, x * w)
+    assert kernel.path(x) == "eager" and "scratch_scale" in fused.failed_kernels()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # for good, no second warning
+        torch.testing.assert_close(kernel(x, w), x * w)
+
+
+def test_runtime_error_in_a_compiled_kernel_raises(monkeypatch, scratch_kernel):
+    """Out of memory (or any error) while a built kernel runs is not a reason to go eager."""
+    def out_of_memory_at_run_time(fn, **kwargs):
         def run(*args):
-            raise RuntimeError("no C++ compiler")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return run
 
-    monkeypatch.setattr(torch, "compile", broken_compile)
-    kernel = fused.Kernel(lambda x, w: x * w)
-    try:
-        x, w = make_input(TRAIN_SHAPE).reshape(-1, D), torch.rand(D)
-        with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
-            out = kernel(x, w)
-        torch.testing.assert_close(out, x * w)
-        assert kernel.path(x) == "eager"  # for good, no second warning
-    finally:
-        fused.Kernel.instances.remove(kernel)
+    monkeypatch.setattr(torch, "compile", out_of_memory_at_run_time)
+    kernel, x, w = scratch_kernel
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            with pytest.raises(torch.OutOfMemoryError, match="out of memory"):
+                kernel(x, w)
+    assert kernel.path(x) == "compiled" and "scratch_scale" not in fused.failed_kernels()
 
 
 @pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler: the native operators cannot be built")
@@ -235,7 +275,7 @@ def test_bench_norms_smoke(tmp_path):
     text = bench_norms.main(["--shapes", "2x3x16,1x2x16", "--reps", "2", "--reference",
                              "--eager", "--rounds", "2", "--out", str(out)])
     assert out.read_text() == text
-    for name in ["layernorm", "scalenorm", "rmsnorm", "dyt", "dyt-hardtanh", "dyt-sigmoid",
+    for name in ["layernorm", "scalenorm", "rmsnorm", "dyt", "dyt-hardtanh", "dyt-sigmoid", "derf", "dyisru",
                  "scalenorm-ref", "dyt-eager", "(copy floor)"]:
         assert f"| {name} " in text
     assert "### 2x3x16 float32" in text and "### 1x2x16 float32" in text

@@ -151,6 +151,21 @@ def test_dyt_alpha_figure(logs, log_paths, tmp_path):
     assert_png(tmp_path / "dyt.png")
 
 
+def test_dyt_saturation_figure(logs, log_paths, tmp_path):
+    data = figures.plot_dyt_saturation(logs, str(tmp_path / "sat.png"))
+    assert list(data) == ["DyT"]  # only DyT norms saturate
+    records = raw_records(log_paths["DyT"], "train_inner")
+    assert list(data["DyT"]) == NORMS  # forward order
+    for name in ("enc0.attn", "dec.final"):
+        updates, fractions = data["DyT"][name]
+        assert updates == [float(r["num_updates"]) for r in records]
+        assert fractions == [float(r[f"sat:{name}"]) for r in records]
+        assert all(0 <= f <= 1 for f in fractions)
+    assert_png(tmp_path / "sat.png")
+    with pytest.raises(figures.MissingLogData, match="sat:<norm>"):
+        figures.plot_dyt_saturation({"s": logs["ScaleNorm"]}, str(tmp_path / "none.png"))
+
+
 def test_command_line_makes_what_the_logs_support(log_paths, tmp_path, capsys):
     out = tmp_path / "figs"
     outcome = figures.main([f"--log={label}={path}" for label, path in log_paths.items()] + ["--out", str(out)])
@@ -161,7 +176,8 @@ def test_command_line_makes_what_the_logs_support(log_paths, tmp_path, capsys):
     outcome = figures.main(["--log", f"DyT={log_paths['DyT']}", "--out", str(tmp_path / "dyt_only")])
     assert outcome["scalenorm_g"].startswith("skipped: scalenorm_g: no log has g:<norm> keys")
     assert outcome["label_smoothing_g"].startswith("skipped:")
-    assert sorted(os.listdir(tmp_path / "dyt_only")) == ["dyt_alpha.png", "fig1_dev_bleu.png", "fig2_grad_norm.png"]
+    assert sorted(os.listdir(tmp_path / "dyt_only")) == ["dyt_alpha.png", "dyt_saturation.png",
+                                                         "fig1_dev_bleu.png", "fig2_grad_norm.png"]
     assert "scalenorm_g: skipped: " in capsys.readouterr().out
 
 

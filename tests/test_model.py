@@ -10,15 +10,18 @@ from fairseq.modules import LayerNorm
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms, output_norm
+from fairseq_normplug.modules.derf import Derf
+from fairseq_normplug.modules.dyisru import DyISRU
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
+from fairseq_normplug.modules.identity_norm import IdentityNorm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
 from model_helpers import build, parse_args, toy_batch
 
 LAYERNORM_CLASS = type(LayerNorm(4))
 NORM_CLASSES = {"layernorm": LAYERNORM_CLASS, "scalenorm": ScaleNorm, "rmsnorm": RMSNorm,
-                "dyt": DynamicTanh}
+                "dyt": DynamicTanh, "derf": Derf, "dyisru": DyISRU, "identity": IdentityNorm}
 TINY = "transformer_normplug_tiny"
 
 
@@ -31,8 +34,9 @@ def norm_flags(prenorm, norm_type, fixnorm, init):
 
 
 @pytest.mark.parametrize("prenorm,norm_type,fixnorm,init", list(itertools.product(
-    [False, True], ["layernorm", "scalenorm", "rmsnorm", "dyt"], [False, True],
-    ["fairseq", "xavier", "smallinit"])))
+    [False, True], ["layernorm", "scalenorm", "rmsnorm", "dyt", "identity"], [False, True],
+    ["fairseq", "xavier", "smallinit"])) + list(itertools.product(
+    [False, True], ["derf", "dyisru"], [True], ["smallinit"])))
 def test_every_combination_builds_with_the_right_modules(tiny_bin, prenorm, norm_type, fixnorm, init):
     model, task, _ = build(tiny_bin, TINY, *norm_flags(prenorm, norm_type, fixnorm, init))
     norms = named_norms(model)
@@ -69,6 +73,75 @@ def test_dyt_alpha_inits_by_block(tiny_bin):
         attention_block = name.endswith(("attn", "cross"))
         assert norm.alpha.item() == pytest.approx(0.8 if attention_block else 0.2), name
         assert norm.squash == "hardtanh" and not norm.alpha.requires_grad
+
+
+def test_dyt_no_alpha_is_the_papers_ablation(tiny_bin):
+    """DyT paper, section 6, "removing alpha": squash(x), alpha fixed at 1 everywhere."""
+    model, _, _ = build(tiny_bin, TINY, "--dyt", "--dyt-no-alpha")
+    for norm in named_norms(model).values():
+        assert norm.alpha.item() == 1.0 and not norm.alpha.requires_grad
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(norm(x), torch.tanh(x))
+
+
+def first_training_forward(model, task):
+    """Run one training forward; return {norm name: its input} as the norms saw it."""
+    seen, handles = {}, []
+    for name, norm in named_norms(model).items():
+        handles.append(norm.register_forward_pre_hook(
+            lambda module, inputs, name=name: seen.__setitem__(name, inputs[0].detach().clone())))
+    model.train()
+    model(*toy_batch(task, batch=4, length=9))
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("flags,param,expected", [
+    (["--dyt", "--dyt-alpha-init", "auto", "--dyt-attn-alpha-init", "0.8"], "alpha",
+     lambda x: 1 / x.double().std(unbiased=False)),
+    (["--norm-type", "derf", "--derf-alpha-init", "auto"], "alpha",
+     lambda x: 1 / x.double().std(unbiased=False)),
+    (["--norm-type", "dyisru", "--dyisru-beta-init", "auto"], "beta",
+     lambda x: 63 * x.double().pow(2).mean()),
+], ids=["dyt", "derf", "dyisru"])
+def test_auto_init_from_the_first_training_batch(tiny_bin, flags, param, expected, caplog):
+    model, task, _ = build(tiny_bin, TINY, "--prenorm", *flags)
+    model.eval()  # evaluation forwards never initialise
+    model(*toy_batch(task))
+    assert model.auto_scale_init.waiting
+    with caplog.at_level("INFO"):
+        inputs = first_training_forward(model, task)
+    assert not model.auto_scale_init.waiting
+    for name, norm in named_norms(model).items():
+        if name.endswith(("attn", "cross")) and "--dyt-attn-alpha-init" in flags:
+            assert norm.alpha.item() == pytest.approx(0.8), name  # the fixed override
+        else:  # each norm's own input, produced by the already initialised norms before it
+            assert getattr(norm, param).item() == pytest.approx(expected(inputs[name]).item(), rel=1e-5), name
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("auto init of")]
+    assert len(logged) == 1 and f"enc0.ffn={getattr(named_norms(model)['enc0.ffn'], param).item():.4g}" in logged[0]
+    before = {name: getattr(norm, param).item() for name, norm in named_norms(model).items()}
+    first_training_forward(model, task)  # once only
+    assert before == {name: getattr(norm, param).item() for name, norm in named_norms(model).items()}
+
+
+def test_frozen_alpha_stays_at_the_auto_value(tiny_bin):
+    model, task, _ = build(tiny_bin, TINY, "--dyt", "--dyt-alpha-init", "auto", "--dyt-freeze-alpha")
+    inputs = first_training_forward(model, task)
+    for name, norm in named_norms(model).items():
+        assert not norm.alpha.requires_grad
+        assert norm.alpha.item() == pytest.approx(1 / inputs[name].double().std(unbiased=False).item(), rel=1e-5)
+
+
+def test_auto_init_skipped_after_loading_a_state_dict(tiny_bin):
+    trained, task, _ = build(tiny_bin, TINY, "--dyt", "--dyt-alpha-init", "auto", seed=1)
+    with torch.no_grad():
+        for norm in named_norms(trained).values():
+            norm.alpha.fill_(0.123)
+    model, _, _ = build(tiny_bin, TINY, "--dyt", "--dyt-alpha-init", "auto", seed=2)
+    model.load_state_dict(trained.state_dict())
+    first_training_forward(model, task)
+    assert all(norm.alpha.item() == pytest.approx(0.123) for norm in named_norms(model).values())
 
 
 def weights(model, names):
@@ -203,6 +276,16 @@ BAD_INPUT = [
     (["--dyt", "--dyt-alpha-init", "-0.5"], "--dyt-alpha-init must be > 0, got -0.5"),
     (["--dyt", "--dyt-attn-alpha-init", "0"], "--dyt-attn-alpha-init must be > 0, got 0.0"),
     (["--dyt-alpha-init", "0.5"], "--dyt-alpha-init needs --norm-type dyt"),
+    (["--dyt-alpha-init", "auto"], "--dyt-alpha-init needs --norm-type dyt (or --dyt), got --norm-type layernorm"),
+    (["--norm-type", "derf", "--dyt-alpha-init", "auto"], "--dyt-alpha-init needs --norm-type dyt"),
+    (["--dyt", "--derf-alpha-init", "auto"], "--derf-alpha-init needs --norm-type derf, got --norm-type dyt"),
+    (["--rmsnorm", "--dyisru-beta-init", "9"], "--dyisru-beta-init needs --norm-type dyisru"),
+    (["--norm-type", "derf", "--derf-alpha-init", "0"], "--derf-alpha-init must be > 0, got 0.0"),
+    (["--norm-type", "dyisru", "--dyisru-beta-init", "-1"], "--dyisru-beta-init must be > 0, got -1.0"),
+    (["--dyt", "--dyt-no-alpha", "--dyt-alpha-init", "auto"], "--dyt-no-alpha fixes alpha at 1; it contradicts --dyt-alpha-init auto"),
+    (["--dyt-no-alpha"], "--dyt-no-alpha needs --norm-type dyt"),
+    (["--dyt", "--dyt-attn-alpha-init", "auto", "--fp16"],
+     "--dyt-attn-alpha-init auto cannot be combined with --fp16 (its fp32 master weights"),
     (["--scalenorm-fixed-g"], "--scalenorm-fixed-g needs --norm-type scalenorm, got --norm-type layernorm"),
     (["--smallinit", "--weight-init", "xavier"], "--smallinit contradicts --weight-init xavier"),
     (["--norm-stats-interval", "-1"], "--norm-stats-interval must be >= 0, got -1"),
@@ -256,6 +339,17 @@ def test_unknown_choices_are_argparse_errors(tiny_bin, flags, capsys):
         parse_args(tiny_bin, TINY, *flags)
     assert exit_info.value.code == 2
     assert f"invalid choice: '{flags[-1]}'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", [["--amp"], ["--fp16", "--memory-efficient-fp16"]])
+def test_auto_init_with_precisions_that_keep_no_master_copy(tiny_bin, precision):
+    parse_args(tiny_bin, TINY, "--norm-type", "derf", "--derf-alpha-init", "auto", *precision)
+
+
+def test_scale_init_is_a_number_or_auto(tiny_bin, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(tiny_bin, TINY, "--dyt", "--dyt-alpha-init", "automatic")
+    assert "expected a number or 'auto', got 'automatic'" in capsys.readouterr().err
 
 
 def test_share_all_embeddings_needs_a_joined_dictionary(tiny_raw, tmp_path):

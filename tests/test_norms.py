@@ -7,8 +7,10 @@ from torch.autograd import gradcheck
 from torch.func import functional_call
 
 from fairseq.modules import LayerNorm
+from fairseq_normplug.modules.derf import Derf
+from fairseq_normplug.modules.dyisru import DyISRU
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
-from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, NORM_TYPES, NormSpec, build_norm
+from fairseq_normplug.modules.norm_registry import AUTO, ATTENTION, FFN, NORM_TYPES, NormSpec, build_norm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
 from model_helpers import randomized
@@ -48,6 +50,56 @@ def test_dyt_formula(squash, fn):
     torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_derf_formula_and_init():
+    fresh = Derf(D)
+    assert fresh.alpha.item() == 0.5 and fresh.shift.item() == 0  # the authors' code defaults
+    assert torch.equal(fresh.weight, torch.ones(D)) and torch.equal(fresh.bias, torch.zeros(D))
+    norm = randomized(Derf(D))
+    x = 3 * torch.randn(2, 7, D)
+    expected = norm.weight * torch.erf(norm.alpha * x + norm.shift) + norm.bias
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
+    assert norm.shift.item() != 0  # the shift really enters the formula above
+
+
+def test_dyisru_formula_and_init():
+    fresh = DyISRU(D)
+    assert fresh.beta.item() == D - 1 and torch.equal(fresh.weight, torch.ones(D))
+    norm = randomized(DyISRU(D))
+    x = 3 * torch.randn(2, 7, D)
+    expected = norm.weight * math.sqrt(D) * x / torch.sqrt(norm.beta + x ** 2)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_dyisru_is_rmsnorm_when_beta_is_the_other_channels_sum_of_squares():
+    """The paper's derivation: RMSNorm_i = sqrt(C) x_i / sqrt(x_i^2 + sum_{j != i} x_j^2)."""
+    x = torch.randn(D, dtype=torch.float64)
+    rms = RMSNorm(D, eps=0.0).double()(x)
+    for i in (0, 5):
+        norm = DyISRU(D, beta_init=float((x ** 2).sum() - x[i] ** 2)).double()
+        torch.testing.assert_close(norm(x)[i], rms[i])
+
+
+@pytest.mark.parametrize("make,name,expected", [
+    (lambda: DynamicTanh(D), "alpha", lambda x: 1 / x.std(unbiased=False)),
+    (lambda: Derf(D), "alpha", lambda x: 1 / x.std(unbiased=False)),
+    (lambda: DyISRU(D), "beta", lambda x: (D - 1) * x.pow(2).mean()),
+], ids=["dyt", "derf", "dyisru"])
+def test_init_from_input_moments(make, name, expected):
+    norm = make()
+    x = 0.3 + 2.5 * torch.randn(50, D, dtype=torch.float64)
+    value = norm.init_from_input(x.mean().item(), x.pow(2).mean().item())
+    assert norm.auto_init_parameter == name
+    assert value == pytest.approx(expected(x).item(), rel=1e-9)
+    assert getattr(norm, name).item() == pytest.approx(value, rel=1e-6)
+
+
+def test_identity_returns_its_input():
+    norm = build_norm(NormSpec(norm_type="identity"), D, FFN)
+    x = torch.randn(2, 3, D, requires_grad=True)
+    assert norm(x) is x and norm.reference(x) is x
+    assert list(norm.parameters()) == []
+
+
 def test_dyt_init_values():
     norm = DynamicTanh(D, alpha_init=0.8)
     assert norm.alpha.item() == pytest.approx(0.8)
@@ -57,7 +109,8 @@ def test_dyt_init_values():
 @pytest.mark.parametrize("make", [
     lambda: ScaleNorm(D), lambda: RMSNorm(D), lambda: DynamicTanh(D),
     lambda: DynamicTanh(D, squash="sigmoid"), lambda: DynamicTanh(D, squash="hardtanh"),
-], ids=["scalenorm", "rmsnorm", "dyt", "dyt-sigmoid", "dyt-hardtanh"])
+    lambda: Derf(D), lambda: DyISRU(D),
+], ids=["scalenorm", "rmsnorm", "dyt", "dyt-sigmoid", "dyt-hardtanh", "derf", "dyisru"])
 def test_gradcheck_float64(make):
     torch.manual_seed(0)
     norm = randomized(make()).double()
@@ -73,14 +126,15 @@ def test_gradcheck_float64(make):
 
 
 @pytest.mark.parametrize("norm_type,count", [("layernorm", 2 * D), ("scalenorm", 1), ("rmsnorm", D),
-                                             ("dyt", 2 * D + 1)])
+                                             ("dyt", 2 * D + 1), ("derf", 2 * D + 2),
+                                             ("dyisru", D + 1), ("identity", 0)])
 def test_parameter_counts(norm_type, count):
     norm = build_norm(NormSpec(norm_type=norm_type), D, FFN)
     assert sum(p.numel() for p in norm.parameters()) == count
 
 
 def test_registry_types_and_roles():
-    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt"}
+    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "dyisru", "identity"}
     assert isinstance(build_norm(NormSpec(), D, FFN), type(LayerNorm(D)))
     spec = NormSpec(norm_type="dyt", dyt_alpha_init=0.2, dyt_attn_alpha_init=0.8, dyt_freeze_alpha=True)
     assert build_norm(spec, D, ATTENTION).alpha.item() == pytest.approx(0.8)
@@ -89,11 +143,20 @@ def test_registry_types_and_roles():
     fixed = NormSpec(norm_type="scalenorm", scalenorm_fixed_g=True)
     assert not build_norm(fixed, D, FFN).g.requires_grad
     assert build_norm(fixed, D, FFN, feeds_output=True).g.requires_grad
+    # auto: built with the default value, marked for the first-batch init
+    auto = NormSpec(norm_type="dyt", dyt_alpha_init=AUTO, dyt_attn_alpha_init=0.8)
+    assert build_norm(auto, D, FFN).auto_init and build_norm(auto, D, FFN).alpha.item() == 0.5
+    assert not build_norm(auto, D, ATTENTION).auto_init
+    assert build_norm(NormSpec(norm_type="derf", derf_alpha_init=0.3), D, FFN).alpha.item() == pytest.approx(0.3)
+    assert build_norm(NormSpec(norm_type="dyisru", dyisru_beta_init=AUTO), D, FFN).auto_init
+    with pytest.raises(ValueError, match="unknown norm type 'batchnorm'; choose from layernorm"):
+        build_norm(NormSpec(norm_type="batchnorm"), D, FFN)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("make", [lambda: ScaleNorm(D), lambda: RMSNorm(D), lambda: DynamicTanh(D)],
-                         ids=["scalenorm", "rmsnorm", "dyt"])
+@pytest.mark.parametrize("make", [lambda: ScaleNorm(D), lambda: RMSNorm(D), lambda: DynamicTanh(D),
+                                  lambda: Derf(D), lambda: DyISRU(D)],
+                         ids=["scalenorm", "rmsnorm", "dyt", "derf", "dyisru"])
 def test_low_precision_inputs_use_fp32_statistics(make, dtype):
     norm = make()
     x = torch.randn(4, D) * 300  # sum of squares overflows fp16 (max 65504)

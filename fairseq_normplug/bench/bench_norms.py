@@ -46,6 +46,8 @@ from fairseq_normplug.bench.common import (
     median, publish, steady_allocator_env,
 )
 from fairseq_normplug.modules import fused, native
+from fairseq_normplug.modules.derf import Derf
+from fairseq_normplug.modules.dyisru import DyISRU
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
@@ -65,6 +67,8 @@ def candidates(dim: int, reference: bool, eager: bool) -> List[Tuple[str, nn.Mod
     layernorm = nn.LayerNorm(dim)
     out = [("layernorm", layernorm, layernorm)]
     out += [(name, module, module) for name, module in plugin]
+    # norms without a fast path: their plain formula through autograd
+    out += [(name, module, module) for name, module in (("derf", Derf(dim)), ("dyisru", DyISRU(dim)))]
     if eager:
         out += [(f"{name}-eager", module, _eager(module)) for name, module in plugin]
     if reference:

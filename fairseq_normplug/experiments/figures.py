@@ -15,6 +15,8 @@ label_smoothing_g      Tears Fig. 4: decoder g with and   ``g:dec*`` in two logs
                        without label smoothing            ``--label-smoothing`` differs
 dyt_alpha              DyT: final alpha per layer; alpha  ``alpha:<norm>``, ``in_std:<norm>``
                        vs 1/std over training             (``--dyt --norm-stats-interval N``)
+dyt_saturation         DyT: saturated fraction (|alpha x|  ``sat:<norm>`` (``--dyt
+                       > 2) of every norm over training   --norm-stats-interval N``)
 =====================  =================================  ===================================
 
 Command line (makes every figure the logs support, says why it skips the others)::
@@ -33,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 # importing fairseq (via the plugin package) sets the root logger to DEBUG; keep
 # matplotlib's font-search chatter out of the output
 logging.getLogger("matplotlib").setLevel(logging.WARNING)
+from matplotlib import colormaps  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from fairseq_normplug.errors import NormplugError  # noqa: E402
@@ -80,7 +83,8 @@ def _logs_with(logs: Logs, select: Callable[[TrainingLog], bool], figure: str, n
     return chosen
 
 
-def _save(fig: Figure, path: str) -> None:
+def save_figure(fig: Figure, path: str) -> None:
+    """Write ``fig`` to ``path`` as a PNG, atomically."""
     with atomic_output(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
@@ -97,7 +101,7 @@ def _line_figure(series: Dict[str, Tuple[List[float], List[float]]], path: str, 
     ax.set(title=title, xlabel="updates", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_dev_bleu(logs: Logs, path: str) -> Dict[str, Tuple[List[float], List[float]]]:
@@ -152,7 +156,7 @@ def plot_scalenorm_g(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[list, L
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
     fig.suptitle("Learned ScaleNorm g per layer (cf. Transformers without Tears, Fig. 3)")
-    _save(fig, path)
+    save_figure(fig, path)
     return data
 
 
@@ -186,7 +190,7 @@ def plot_label_smoothing_g(logs: Logs, path: str) -> Dict[str, Tuple[List[str], 
                  "(cf. Transformers without Tears, Fig. 4)", xlabel="decoder norm", ylabel="g")
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
     return data
 
 
@@ -230,8 +234,36 @@ def plot_dyt_alpha(logs: Logs, path: str) -> dict:
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
     fig.suptitle("DyT alpha (cf. Transformers without Normalization, Section 6)")
-    _save(fig, path)
+    save_figure(fig, path)
     return {"final_alpha": final_alpha, "tracked_log": tracked_label, "tracked": tracked}
+
+
+def cm_color(index: int, count: int):
+    """The ``index``-th of ``count`` colours spread over the viridis map (forward order)."""
+    return colormaps["viridis"](index / max(count - 1, 1))
+
+
+def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[List[float], List[float]]]]:
+    """The saturated fraction of every DyT norm's input (``|alpha x| > 2``, tanh's flat
+    part) over training, one panel per log, one line per norm (forward order). Returns
+    {label: {norm: (updates, fraction)}}."""
+    chosen = _logs_with(logs, lambda log: bool(log.latest("train_inner", "sat:")), "dyt_saturation",
+                        "sat:<norm> keys (train with --dyt --norm-stats-interval N)")
+    data = {label: {name: log.series("train_inner", f"sat:{name}")
+                    for name in _sorted_norms(log.latest("train_inner", "sat:"))}
+            for label, log in chosen.items()}
+    fig = Figure(figsize=(6.5 * len(data), 4.5), layout="constrained")
+    axes = fig.subplots(1, len(data), squeeze=False)[0]
+    for ax, (label, series) in zip(axes, data.items()):
+        for index, (name, (updates, fractions)) in enumerate(series.items()):
+            ax.plot(updates, fractions, color=cm_color(index, len(series)), linewidth=1.2, label=name)
+        ax.set(title=label, xlabel="updates", ylabel="saturated fraction")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle("DyT inputs in tanh's flat part, |alpha x| > 2 (cf. Transformers without "
+                 "Normalization, Sections 3-4)")
+    save_figure(fig, path)
+    return data
 
 
 FIGURES: Dict[str, Tuple[str, Callable[[Logs, str], object]]] = {
@@ -240,6 +272,7 @@ FIGURES: Dict[str, Tuple[str, Callable[[Logs, str], object]]] = {
     "scalenorm_g": ("fig3_scalenorm_g.png", plot_scalenorm_g),
     "label_smoothing_g": ("fig4_label_smoothing_g.png", plot_label_smoothing_g),
     "dyt_alpha": ("dyt_alpha.png", plot_dyt_alpha),
+    "dyt_saturation": ("dyt_saturation.png", plot_dyt_saturation),
 }
 
 

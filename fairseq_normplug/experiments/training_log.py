@@ -12,7 +12,8 @@ number wins. The criterion settings of the run's configuration dump (the
 
 Plugin keys (``--norm-stats-interval N``) in ``train_inner`` records: ``g:<norm>``
 (ScaleNorm g), ``alpha:<norm>`` (DyT alpha), ``gain:<norm>`` (mean |gain| of
-LayerNorm/RMSNorm/DyT) and ``in_std:<norm>`` (std of the norm's input), where ``<norm>`` is
+LayerNorm/RMSNorm/DyT), ``in_std:<norm>`` (std of the norm's input) and ``sat:<norm>``
+(DyT: the fraction of inputs with ``|alpha x| > 2``), where ``<norm>`` is
 ``enc{i}.attn``, ``enc{i}.ffn``, ``dec{i}.attn`` (self-attention), ``dec{i}.cross``
 (encoder-decoder attention), ``dec{i}.ffn``, ``enc.final`` or ``dec.final`` (PreNorm only).
 """

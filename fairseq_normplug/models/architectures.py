@@ -3,7 +3,7 @@ and embedding tying only; normalization choices always come from the flags."""
 from fairseq.models import register_model_architecture
 from fairseq.models.transformer.transformer_legacy import base_architecture
 
-from fairseq_normplug.models.normplug_args import resolve_normplug_args
+from fairseq_normplug.models.normplug_args import bf16_without_tpu, resolve_normplug_args
 
 MODEL = "transformer_normplug"
 
@@ -20,6 +20,7 @@ def normplug_base_architecture(args):
     validates the plugin flags, so bad input fails at argument time, before data is read."""
     base_architecture(args)
     resolve_normplug_args(args)
+    bf16_without_tpu(args)
 
 
 @register_model_architecture(MODEL, MODEL + "_ted")

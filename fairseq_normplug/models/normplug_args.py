@@ -1,11 +1,15 @@
 """Command-line flags of ``transformer_normplug`` and their resolution into a validated
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
+import argparse
+import importlib.util
 import logging
 from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.modules.norm_registry import DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
+from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
+from fairseq_normplug.modules.derf import DERF_DEFAULT_ALPHA
+from fairseq_normplug.modules.norm_registry import AUTO, DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
 
 NORM_SHORTHANDS = ("scalenorm", "rmsnorm", "dyt")  # --scalenorm = --norm-type scalenorm, ...
@@ -22,6 +26,9 @@ DEFAULTS = {
     "dyt_attn_alpha_init": None,
     "dyt_squash": None,
     "dyt_freeze_alpha": False,
+    "dyt_no_alpha": False,
+    "derf_alpha_init": None,
+    "dyisru_beta_init": None,
     "fixnorm": False,
     "weight_init": None,
     "smallinit": False,
@@ -29,6 +36,24 @@ DEFAULTS = {
 }
 DYT_DEFAULT_ALPHA = 0.5
 logger = logging.getLogger(__name__)
+
+#: each element-wise norm's own flags (they need that --norm-type)
+NORM_TYPE_FLAGS = {
+    "dyt": ("dyt_alpha_init", "dyt_attn_alpha_init", "dyt_squash", "dyt_freeze_alpha", "dyt_no_alpha"),
+    "derf": ("derf_alpha_init",),
+    "dyisru": ("dyisru_beta_init",),
+}
+SCALE_INIT_FLAGS = ("dyt_alpha_init", "dyt_attn_alpha_init", "derf_alpha_init", "dyisru_beta_init")
+
+
+def scale_init_value(text: str):
+    """argparse type of the scale-init flags: a number or ``auto``."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {text!r}") from None
 
 
 def add_normplug_args(parser) -> None:
@@ -41,7 +66,9 @@ def add_normplug_args(parser) -> None:
     add("--postnorm", action="store_true",
         help="PostNorm (the default): norm after each residual addition; no final norms")
     add("--norm-type", choices=NORM_TYPES,
-        help="the norm used everywhere (sublayers and final norms); default layernorm")
+        help="the norm used everywhere (sublayers and final norms); default layernorm; "
+             "derf = gamma*erf(alpha*x+s)+beta, dyisru = gamma*sqrt(d)*x/sqrt(beta+x^2), "
+             "identity = no normalization (output = input, no parameters); see docs/norms.md")
     add("--scalenorm", action="store_true", help="shorthand for --norm-type scalenorm: g*x/||x||")
     add("--rmsnorm", action="store_true", help="shorthand for --norm-type rmsnorm")
     add("--dyt", action="store_true", help="shorthand for --norm-type dyt: gamma*tanh(alpha*x)+beta")
@@ -50,14 +77,26 @@ def add_normplug_args(parser) -> None:
     add("--scalenorm-fixed-g", action="store_true",
         help="freeze every ScaleNorm g at sqrt(d) except the norm feeding the output layer "
              "(paper Table 7, 'fixed g')")
-    add("--dyt-alpha-init", type=float, metavar="A",
-        help=f"DyT alpha initial value (default {DYT_DEFAULT_ALPHA})")
-    add("--dyt-attn-alpha-init", type=float, metavar="A",
-        help="DyT alpha initial value for the norms of attention blocks (default: --dyt-alpha-init)")
+    add("--dyt-alpha-init", type=scale_init_value, metavar="A|auto",
+        help=f"DyT alpha initial value (default {DYT_DEFAULT_ALPHA}); auto: 1/std of each norm's "
+             "input on the first training batch (all ranks), logged")
+    add("--dyt-attn-alpha-init", type=scale_init_value, metavar="A|auto",
+        help="DyT alpha initial value (or auto) for the norms of attention blocks, overriding "
+             "--dyt-alpha-init there (default: --dyt-alpha-init)")
     add("--dyt-squash", choices=DYT_SQUASH_CHOICES,
         help="DyT squashing function (default tanh; DyT paper's ablation: hardtanh, sigmoid)")
     add("--dyt-freeze-alpha", action="store_true",
-        help="keep DyT alpha fixed at its initial value (DyT paper's 'no learnable alpha' ablation)")
+        help="keep DyT alpha fixed at its initial value (--dyt-alpha-init, or the auto value); "
+             "the DyT paper's 'without alpha' ablation is alpha fixed at 1: --dyt-no-alpha")
+    add("--dyt-no-alpha", action="store_true",
+        help="the DyT paper's 'without alpha' ablation (section 6): squash(x), i.e. alpha fixed "
+             "at 1 (= --dyt-freeze-alpha --dyt-alpha-init 1)")
+    add("--derf-alpha-init", type=scale_init_value, metavar="A|auto",
+        help=f"Derf alpha initial value (default {DERF_DEFAULT_ALPHA}, the Derf authors' code); "
+             "auto: 1/std of each norm's input on the first training batch; the shift s starts at 0")
+    add("--dyisru-beta-init", type=scale_init_value, metavar="B|auto",
+        help="DyISRU beta initial value (default d-1: RMSNorm's value for unit-variance input); "
+             "auto: (d-1)*mean(x^2) of each norm's input on the first training batch")
     add("--fixnorm", action="store_true",
         help="FixNorm: l2-normalised word embeddings, U(-0.01,0.01) init, tied output layer "
              "(implies --share-decoder-input-output-embed unless --share-all-embeddings)")
@@ -69,6 +108,7 @@ def add_normplug_args(parser) -> None:
     add("--norm-stats-interval", type=int, metavar="N",
         help="every N updates, log each norm's scale (ScaleNorm g, DyT alpha, mean gain) and "
              "its input std into the training log (0 = off, the default)")
+    add_beyond_args(add)
 
 
 @dataclass(frozen=True)
@@ -78,6 +118,7 @@ class NormplugSettings:
     fixnorm: bool
     weight_init: str
     norm_stats_interval: int
+    beyond: BeyondSettings
 
 
 def _flag(name: str) -> str:
@@ -124,6 +165,30 @@ def _require(condition: bool, message: str) -> None:
         raise NormplugError(message)
 
 
+def _check_auto_precision(args) -> None:
+    """``auto`` sets values during the first forward; fairseq's --fp16/--bf16 optimizer has
+    copied its fp32 master weights before that and would overwrite them after the first step."""
+    autos = [name for name in SCALE_INIT_FLAGS if getattr(args, name) == AUTO]
+    low = [flag for flag in ("fp16", "bf16") if getattr(args, flag, False)]
+    exempt = any(getattr(args, flag, False) for flag in
+                 ("memory_efficient_fp16", "memory_efficient_bf16", "amp"))
+    _require(not (autos and low and not exempt),
+             f"{_flag(autos[0]) if autos else ''} auto cannot be combined with --{low[0] if low else ''} "
+             f"(its fp32 master weights are copied before the first batch); use --amp or "
+             f"--memory-efficient-{low[0] if low else ''}")
+
+
+def bf16_without_tpu(args) -> None:
+    """Let ``--bf16`` mean bfloat16 on a GPU or CPU. fairseq's argument parser turns every
+    ``--bf16`` into ``--tpu`` (a TPU-era shortcut), which then fails in ``torch_xla`` on any
+    other machine; where ``torch_xla`` is not installed that can only be a mistake, so the
+    TPU switch is taken back (on a TPU machine nothing changes)."""
+    if (getattr(args, "bf16", False) and getattr(args, "tpu", False)
+            and importlib.util.find_spec("torch_xla") is None):
+        logger.info("--bf16 without torch_xla installed: bfloat16 on the GPU or CPU, not a TPU")
+        args.tpu = False
+
+
 def _tie_output_layer_for_fixnorm(args) -> None:
     """FixNorm is defined on the tied output layer (Tears eq. 10), so ``--fixnorm`` implies
     ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output layer
@@ -149,18 +214,26 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(args.norm_eps > 0, f"--norm-eps must be > 0, got {args.norm_eps}")
     _require(not args.scalenorm_fixed_g or norm_type == "scalenorm",
              f"--scalenorm-fixed-g needs --norm-type scalenorm, got --norm-type {norm_type}")
-    dyt_given = [n for n in ("dyt_alpha_init", "dyt_attn_alpha_init", "dyt_squash")
-                 if getattr(args, n) is not None] + (["dyt_freeze_alpha"] if args.dyt_freeze_alpha else [])
-    _require(not dyt_given or norm_type == "dyt",
-             f"{_flag(dyt_given[0]) if dyt_given else ''} needs --norm-type dyt (or --dyt), "
-             f"got --norm-type {norm_type}")
+    for owner, names in NORM_TYPE_FLAGS.items():
+        given = [n for n in names if getattr(args, n) not in (None, False)]
+        _require(not given or norm_type == owner,
+                 f"{_flag(given[0]) if given else ''} needs --norm-type {owner}"
+                 f"{' (or --dyt)' if owner == 'dyt' else ''}, got --norm-type {norm_type}")
+    for name in SCALE_INIT_FLAGS:
+        value = getattr(args, name)
+        _require(value in (None, AUTO) or value > 0, f"{_flag(name)} must be > 0, got {value} (or pass auto)")
+    _check_auto_precision(args)
     alpha = DYT_DEFAULT_ALPHA if args.dyt_alpha_init is None else args.dyt_alpha_init
-    for name, value in (("dyt_alpha_init", alpha), ("dyt_attn_alpha_init", args.dyt_attn_alpha_init)):
-        _require(value is None or value > 0, f"{_flag(name)} must be > 0, got {value}")
+    if args.dyt_no_alpha:
+        clash = [n for n in ("dyt_alpha_init", "dyt_attn_alpha_init") if getattr(args, n) not in (None, 1.0)]
+        _require(not clash, f"--dyt-no-alpha fixes alpha at 1; it contradicts "
+                            f"{_flag(clash[0]) if clash else ''} {getattr(args, clash[0]) if clash else ''}")
+        alpha = 1.0
     squash = args.dyt_squash or "tanh"
     _require(squash in DYT_SQUASH_CHOICES,
              f"unknown --dyt-squash {squash!r}; choose from {', '.join(DYT_SQUASH_CHOICES)}")
 
+    weight_init_given = args.weight_init not in (None, "fairseq") or args.smallinit
     weight_init = args.weight_init or "fairseq"
     _require(weight_init in WEIGHT_INITS,
              f"unknown --weight-init {weight_init!r}; choose from {', '.join(WEIGHT_INITS)}")
@@ -179,6 +252,8 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(args.norm_stats_interval >= 0,
              f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
 
+    beyond = resolve_beyond_args(args, norm_type, prenorm, weight_init_given)
+
     spec = NormSpec(
         norm_type=norm_type,
         eps=args.norm_eps,
@@ -186,8 +261,10 @@ def resolve_normplug_args(args) -> NormplugSettings:
         dyt_alpha_init=alpha,
         dyt_attn_alpha_init=args.dyt_attn_alpha_init,
         dyt_squash=squash,
-        dyt_freeze_alpha=args.dyt_freeze_alpha,
+        dyt_freeze_alpha=args.dyt_freeze_alpha or args.dyt_no_alpha,
+        derf_alpha_init=DERF_DEFAULT_ALPHA if args.derf_alpha_init is None else args.derf_alpha_init,
+        dyisru_beta_init=args.dyisru_beta_init,
     )
     return NormplugSettings(prenorm=prenorm, norm=spec, fixnorm=args.fixnorm,
                             weight_init=weight_init,
-                            norm_stats_interval=args.norm_stats_interval)
+                            norm_stats_interval=args.norm_stats_interval, beyond=beyond)

@@ -5,7 +5,9 @@ It subclasses the stock ``transformer`` model, so every stock flag keeps working
 every plugin flag off it *is* the stock model (same modules, parameter names, init and
 outputs; a stock checkpoint loads). The plugin only acts through small build hooks:
 ``build_embedding`` (FixNorm rows), ``build_decoder`` (FixNorm output layer), and, after
-the stock build, norm replacement (``install_norms``) and re-initialisation.
+the stock build, norm replacement (``install_norms``) and re-initialisation, then the
+later designs (docs/beyond.md): DeepNorm's init, residual scaling through each layer's
+``residual_connection`` hook, QKNorm's q/k projections and the learnable embedding scale.
 """
 import torch
 import torch.nn.functional as F
@@ -15,9 +17,13 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.modules.auto_init import AutoScaleInit
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
+from fairseq_normplug.modules.embed_scale import make_embed_scale_learnable
 from fairseq_normplug.modules.norm_stats import NormStatsRecorder
-from fairseq_normplug.modules.weight_init import apply_weight_init
+from fairseq_normplug.modules.qknorm import install_qknorm, resolve_g0
+from fairseq_normplug.modules.residual_scale import deepnorm_constants, install_residual_scale
+from fairseq_normplug.modules.weight_init import apply_deepnorm_init, apply_model_init
 
 #: the padding logit is set this far below the row's smallest logit: its probability is
 #: ~e^-30 of the least likely word, so pad is never predicted, while label smoothing
@@ -27,10 +33,12 @@ PAD_LOGIT_MARGIN = 30.0
 
 def mask_padding_logit(logits: torch.Tensor, padding_idx: int) -> torch.Tensor:
     """Set the padding column of freshly computed ``logits`` (in place: one pass for the row
-    minimum, none over the whole tensor) to ``PAD_LOGIT_MARGIN`` below each row's minimum;
-    no gradient flows through that column."""
+    minimum, none over the whole tensor) to ``PAD_LOGIT_MARGIN`` below the smallest logit of
+    the other words (the pad column itself is left out), clamped to the dtype's range so the
+    floor stays finite in fp16; no gradient flows through that column."""
+    logits[..., padding_idx] = float("inf")
     floor = logits.detach().amin(dim=-1) - PAD_LOGIT_MARGIN
-    logits[..., padding_idx] = floor
+    logits[..., padding_idx] = floor.clamp(min=torch.finfo(logits.dtype).min)
     return logits
 
 
@@ -39,7 +47,12 @@ class FixNormTransformerDecoder(TransformerDecoderBase):
     logits are cosines scaled by the norm of the final hidden state."""
 
     def output_layer(self, features):
-        logits = F.linear(features, self.embed_tokens.normalized_weight())
+        # as one (rows, d) x (d, V) product: torch's matmul does not fold a 3-D input with
+        # decoding's strides into one GEMM when the weight needs no gradient (the cached
+        # matrix), and runs a GEMV per row instead, ~10x slower at a 32k vocabulary
+        rows = features.reshape(-1, features.size(-1))
+        logits = F.linear(rows, self.embed_tokens.normalized_weight())
+        logits = logits.view(*features.shape[:-1], logits.size(-1))
         return mask_padding_logit(logits, self.padding_idx)
 
 
@@ -47,9 +60,10 @@ class FixNormTransformerDecoder(TransformerDecoderBase):
 class TransformerNormplugModel(TransformerModel):
     """Transformer with pluggable residual placement, norm type, FixNorm and init.
 
-    Flags: ``--prenorm``, ``--norm-type {layernorm,scalenorm,rmsnorm,dyt}`` (shorthands
+    Flags: ``--prenorm``, ``--norm-type`` (one of ``NORM_TYPES``, shorthands
     ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
-    ``--weight-init``; see ``fairseq-train --arch transformer_normplug --help``.
+    ``--weight-init``, and the later designs ``--qknorm``, ``--residual-scale``,
+    ``--embed-scale`` (docs/beyond.md); see ``fairseq-train --arch transformer_normplug --help``.
     """
 
     @classmethod
@@ -65,11 +79,29 @@ class TransformerNormplugModel(TransformerModel):
                 "--share-all-embeddings needs a joined dictionary (fairseq-preprocess "
                 "--joined-dictionary); with separate dictionaries pass "
                 "--share-decoder-input-output-embed instead")
+        beyond = settings.beyond
+        g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         model = super().build_model(args, task)
         install_norms(model, settings.norm)
-        apply_weight_init(list(model.encoder.layers) + list(model.decoder.layers), settings.weight_init)
+        apply_model_init(model, settings.weight_init)
+        if beyond.residual_scale == "deepnorm":
+            constants = deepnorm_constants(len(model.encoder.layers), len(model.decoder.layers))
+            apply_deepnorm_init(model, constants["encoder_beta"], constants["decoder_beta"])
+        install_residual_scale(model, beyond.residual_scale)
+        if beyond.qknorm:
+            install_qknorm(model, g0)
+        if beyond.embed_scale == "learnable":
+            make_embed_scale_learnable(model)
         model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
+        model.auto_scale_init = AutoScaleInit(named_norms(model))
         return model
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        # loaded values (resume, generate) are already initialised: no ``auto`` init
+        auto_init = getattr(self, "auto_scale_init", None)
+        if auto_init is not None:
+            auto_init.cancel()
+        return super().load_state_dict(state_dict, *args, **kwargs)
 
     @classmethod
     def build_embedding(cls, args, dictionary, embed_dim, path=None):

@@ -5,9 +5,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.modules import fused, native
-from fairseq_normplug.modules.fused import (
-    Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
-)
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std
+
+#: |alpha x| above this is the flat part of tanh (tanh(2) = 0.96): the DyT paper's
+#: extreme inputs it squashes (sections 3-4)
+SATURATION_THRESHOLD = 2.0
 
 SQUASH_FUNCTIONS = {
     "tanh": torch.tanh,
@@ -97,15 +100,20 @@ def dynamic_tanh(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor,
         rows(x), alpha, weight, bias, squash).view(x.shape)
 
 
-class DynamicTanh(nn.Module):
+class DynamicTanh(FormulaNorm):
     """DyT: one learnable scalar ``alpha`` (init ``alpha_init``, default 0.5), a per-channel
     gain ``weight`` (gamma, init 1) and shift ``bias`` (beta, init 0).
 
     ``squash`` selects tanh (the paper's choice), hardtanh or sigmoid (its ablation,
-    Table 9); ``learnable_alpha=False`` freezes alpha (the "without alpha" ablation).
-    Computed in float32 whatever the input dtype; ``forward`` runs the fused fast path
-    :func:`dynamic_tanh`.
+    Table 9); ``learnable_alpha=False`` freezes alpha at ``alpha_init`` (with alpha_init=1
+    that is the paper's "without alpha" ablation, squash(x)). ``init_from_input`` sets
+    alpha0 = 1/std of the input (``--dyt-alpha-init auto``; the paper's section 6: learned
+    alpha tracks 1/std). Computed in float32 whatever the input dtype; alpha stays float32
+    when the model is cast to fp16/bf16 (``float32_params.py``), so its gradient is summed
+    and stored in float32. ``forward`` runs the fused fast path :func:`dynamic_tanh`.
     """
+
+    auto_init_parameter = "alpha"
 
     def __init__(
         self,
@@ -114,14 +122,13 @@ class DynamicTanh(nn.Module):
         squash: str = "tanh",
         learnable_alpha: bool = True,
     ):
-        super().__init__()
+        super().__init__(dim)
         if squash not in SQUASH_FUNCTIONS:
             raise ValueError(
                 f"unknown DyT squash function {squash!r}; choose from {sorted(SQUASH_FUNCTIONS)}"
             )
         if not alpha_init > 0:
             raise ValueError(f"DyT alpha init must be positive, got {alpha_init}")
-        self.dim = dim
         self.squash = squash
         self.alpha = nn.Parameter(torch.tensor(float(alpha_init)), requires_grad=learnable_alpha)
         self.weight = nn.Parameter(torch.ones(dim))
@@ -130,10 +137,18 @@ class DynamicTanh(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dynamic_tanh(x, self.alpha, self.weight, self.bias, self.squash)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """:func:`dynamic_tanh_reference` with this module's parameters, in float32."""
-        return dynamic_tanh_reference(upcast(x), upcast(self.alpha), upcast(self.weight),
-                                      upcast(self.bias), self.squash).to(x.dtype)
+    def formula(self, x, alpha, weight, bias):
+        """:func:`dynamic_tanh_reference` (``reference(x)`` runs it in float32)."""
+        return dynamic_tanh_reference(x, alpha, weight, bias, self.squash)
+
+    def init_from_input(self, mean: float, mean_square: float) -> float:
+        return self.set_scalar("alpha", inverse_std(mean, mean_square))
+
+    def saturated_fraction(self, x: torch.Tensor) -> float:
+        """Fraction of the elements of ``x`` in the squash's flat part, ``|alpha x| >
+        SATURATION_THRESHOLD`` (logged by ``--norm-stats-interval``, plotted by plot_norms)."""
+        with torch.no_grad():
+            return float(((x.float() * self.alpha.float()).abs() > SATURATION_THRESHOLD).float().mean())
 
     def fast_path(self, x: torch.Tensor) -> str:
         """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""
@@ -141,6 +156,6 @@ class DynamicTanh(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.dim}, alpha_init={self.alpha.item():.3g}, squash={self.squash}, "
+            f"{self.dim}, alpha={self.alpha.item():.3g}, squash={self.squash}, "
             f"learnable_alpha={self.alpha.requires_grad}"
         )

@@ -17,7 +17,8 @@ A norm call takes the first suitable of three paths:
 
 ``NORMPLUG_NATIVE=0`` and ``NORMPLUG_COMPILE=0`` switch paths 1 and 2 off for a process,
 :func:`disable` for a block. A path that fails to build (no C++ compiler, no triton, an
-unsupported platform) is reported once as a warning and skipped from then on.
+unsupported platform) is reported once as a warning and skipped from then on; an error
+while a built kernel runs (out of memory, bad input) is raised, never swallowed.
 """
 import contextlib
 import logging
@@ -50,6 +51,13 @@ _TANH_P = (
 _TANH_Q = (4.89352518554385e-03, 2.26843463243900e-03, 1.18534705686654e-04, 1.19825839466702e-06)
 
 _disabled = set()
+
+#: what compiling a kernel raises when it cannot be built (no C++ compiler, no triton,
+#: an unsupported operator): dynamo's and inductor's own exceptions (``InductorError``
+#: and ``BackendCompilerFailed`` derive from ``TorchDynamoException``). Anything else
+#: raised by a compiled call, e.g. out of memory while it runs, is a runtime error and
+#: propagates.
+BUILD_ERRORS = (torch._dynamo.exc.TorchDynamoException,)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -173,21 +181,35 @@ class Kernel:
             for t in (x, *args):
                 if isinstance(t, torch.Tensor) and t.dim() == 2:
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-            try:
-                if self._compiled is None:
-                    logger.info("compiling fused norm kernel %s (once per width/dtype)",
-                                self.__name__)
-                    self._compiled = torch.compile(self.fn, dynamic=False, fullgraph=True)
-                return self._compiled(x, *args)
-            except Exception as exc:  # no compiler, no triton, unsupported platform...
-                self._failed = True
-                warnings.warn(
-                    f"fairseq-normplug: torch.compile of {self.__name__} failed "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                    f"using the eager fast path",
-                    RuntimeWarning,
-                )
+            compiled = self._build()
+            if compiled is not None:
+                try:
+                    return compiled(x, *args)
+                except BUILD_ERRORS as exc:  # compiling for a new width/dtype failed
+                    self._give_up(exc)
         return self.fn(x, *args)
+
+    def _build(self):
+        """The ``torch.compile`` wrapper of ``fn``, None once building it has failed."""
+        if self._compiled is None and not self._failed:
+            logger.info("compiling fused norm kernel %s (once per width/dtype)", self.__name__)
+            try:
+                self._compiled = torch.compile(self.fn, dynamic=False, fullgraph=True)
+            except Exception as exc:  # unsupported platform or Python: torch.compile refuses
+                self._give_up(exc)
+        return self._compiled
+
+    def _give_up(self, exc: Exception) -> None:
+        """Switch this kernel to eager for good, with one warning naming why."""
+        self._failed = True
+        self._compiled = None
+        cause = getattr(exc, "inner_exception", None) or exc.__cause__ or exc
+        first_line = str(cause).splitlines()[0] if str(cause) else ""
+        warnings.warn(
+            f"fairseq-normplug: torch.compile of {self.__name__} failed "
+            f"({type(cause).__name__}: {first_line}); using the eager fast path",
+            RuntimeWarning,
+        )
 
 
 def needs_autograd(*tensors: torch.Tensor) -> bool:

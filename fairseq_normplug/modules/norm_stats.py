@@ -1,11 +1,14 @@
 """Cheap training-time records of every norm layer, for the papers' figures: ScaleNorm g
 ("Transformers without Tears", Fig. 3-4), DyT alpha against 1/std of its input (DyT paper,
-section 6), and the mean gain of LayerNorm/RMSNorm/DyT.
+section 6), the other norms' scalars (Derf alpha and shift, DyISRU beta), the mean gain
+of LayerNorm/RMSNorm/DyT/Derf/DyISRU and, for DyT, the saturated fraction of its input
+(``|alpha x| > 2``, the flat part of tanh).
 
 Forward pre-hooks read each norm's input only on sampled updates (every ``interval``
 updates, training mode only) and log into fairseq's metrics, so the values land in the
 ``train_inner`` records of the training log under keys such as ``g:dec2.ffn``,
-``alpha:enc0.attn``, ``gain:enc1.ffn`` and ``in_std:dec0.cross``. With interval 0 no hook
+``alpha:enc0.attn``, ``gain:enc1.ffn``, ``in_std:dec0.cross`` and ``sat:enc0.ffn``
+(any norm with a ``saturated_fraction(x)`` method: DyT). With interval 0 no hook
 is installed at all.
 """
 from typing import Dict
@@ -16,12 +19,9 @@ from torch import nn
 
 
 def norm_scale_stats(norm: nn.Module) -> Dict[str, float]:
-    """The scalar(s) that describe a norm's learned scale."""
-    stats = {}
-    if isinstance(getattr(norm, "g", None), torch.Tensor):
-        stats["g"] = float(norm.g)
-    if isinstance(getattr(norm, "alpha", None), torch.Tensor):
-        stats["alpha"] = float(norm.alpha)
+    """The scalar(s) that describe a norm's learned scale: each scalar parameter (ScaleNorm g,
+    DyT/Derf alpha, Derf shift, DyISRU beta) and the mean |gain|."""
+    stats = {name: float(p) for name, p in norm.named_parameters(recurse=False) if p.dim() == 0}
     if isinstance(getattr(norm, "weight", None), torch.Tensor):
         stats["gain"] = float(norm.weight.detach().abs().mean())
     return stats
@@ -47,6 +47,8 @@ class NormStatsRecorder:
                 return
             with torch.no_grad():
                 metrics.log_scalar(f"in_std:{name}", float(inputs[0].float().std()), round=4)
+                if hasattr(module, "saturated_fraction"):
+                    metrics.log_scalar(f"sat:{name}", module.saturated_fraction(inputs[0]), round=4)
                 for stat, value in norm_scale_stats(module).items():
                     metrics.log_scalar(f"{stat}:{name}", value, round=4)
 

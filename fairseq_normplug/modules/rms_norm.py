@@ -4,9 +4,8 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules import fused
-from fairseq_normplug.modules.fused import (
-    Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
-)
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.modules.norm_base import FormulaNorm
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_forward_kernel(rows(x), weight, eps)[0].view(x.shape)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(FormulaNorm):
     """RMSNorm(x)_i = g_i * x_i / sqrt(mean_j x_j^2 + eps); g initialised to ones.
 
     Statistics are computed in float32 whatever the input dtype. ``forward`` runs the fused
@@ -76,17 +75,16 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.dim = dim
+        super().__init__(dim)
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """:func:`rms_norm_reference` with this module's gains, statistics in float32."""
-        return rms_norm_reference(upcast(x), upcast(self.weight), self.eps).to(x.dtype)
+    def formula(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """:func:`rms_norm_reference` (``reference(x)`` runs it in float32)."""
+        return rms_norm_reference(x, weight, self.eps)
 
     def fast_path(self, x: torch.Tensor) -> str:
         """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""

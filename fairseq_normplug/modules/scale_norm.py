@@ -5,9 +5,8 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules import fused
-from fairseq_normplug.modules.fused import (
-    Kernel, compute_dtype, native_ops, needs_autograd, rows, upcast,
-)
+from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.modules.norm_base import FormulaNorm
 
 
 def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,26 +70,26 @@ def scale_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     return scale_norm_forward_kernel(rows(x), g, eps)[0].view(x.shape)
 
 
-class ScaleNorm(nn.Module):
+class ScaleNorm(FormulaNorm):
     """ScaleNorm(x) = g * x / max(||x||, eps): one learned scalar ``g`` per norm, g0 = sqrt(d).
 
-    Statistics are computed in float32 whatever the input dtype (fp16/bf16 training).
-    ``forward`` runs the fused fast path :func:`scale_norm`.
-    ``learnable=False`` freezes g (the paper's fixed-g rows of Table 7).
+    Statistics are computed in float32 whatever the input dtype (fp16/bf16 training), and g
+    stays float32 when the model is cast to fp16/bf16 (``float32_params.py``), so its
+    gradient is summed and stored in float32. ``forward`` runs the fused fast path
+    :func:`scale_norm`. ``learnable=False`` freezes g (the paper's fixed-g rows of Table 7).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, learnable: bool = True):
-        super().__init__()
-        self.dim = dim
+        super().__init__(dim)
         self.eps = eps
         self.g = nn.Parameter(torch.tensor(math.sqrt(dim)), requires_grad=learnable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return scale_norm(x, self.g, self.eps)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """:func:`scale_norm_reference` with this module's g, statistics in float32."""
-        return scale_norm_reference(upcast(x), upcast(self.g), self.eps).to(x.dtype)
+    def formula(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """:func:`scale_norm_reference` (``reference(x)`` runs it in float32)."""
+        return scale_norm_reference(x, g, self.eps)
 
     def fast_path(self, x: torch.Tensor) -> str:
         """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""

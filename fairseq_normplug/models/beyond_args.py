@@ -1,0 +1,94 @@
+"""Flags of the normalization designs that followed the two papers (issue 12): QKNorm,
+residual scaling (ReZero, LayerScale, DeepNorm), T-Fixup (a ``--weight-init`` choice) and the
+learnable embedding scale; see docs/beyond.md. Validated with the other plugin flags at
+argument-parse time; every combination a method's paper does not define is refused here."""
+from dataclasses import dataclass
+from typing import Optional
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.modules.embed_scale import EMBED_SCALES
+from fairseq_normplug.modules.residual_scale import RESIDUAL_SCALES
+
+BEYOND_DEFAULTS = {
+    "qknorm": False,
+    "qknorm_g0": None,  # computed from the training data in build_model when not given
+    "residual_scale": None,
+    "embed_scale": None,
+}
+
+
+def add_beyond_args(add) -> None:
+    """Add the flags through ``add`` (an argument group's add_argument)."""
+    add("--qknorm", action="store_true",
+        help="QKNorm (Henry et al. 2020): q and k l2-normalised per head, a learnable scalar g per "
+             "attention layer replaces 1/sqrt(d_k)")
+    add("--qknorm-g0", type=float, metavar="G",
+        help="QKNorm's initial g (default: log2(L^2-L), L = 97.5th percentile of the training "
+             "target lengths, computed from the data dir and stored in the checkpoint)")
+    add("--residual-scale", choices=RESIDUAL_SCALES,
+        help="residual branch scaling: none (default), rezero (x + a*F(x), a=0 at init), layerscale "
+             "(x + diag(l)*F(x), CaiT init), deepnorm (PostNorm(alpha*x + F(x)) with DeepNet's "
+             "beta init)")
+    add("--embed-scale", choices=EMBED_SCALES,
+        help="embedding scale: fixed (default, fairseq's sqrt(d), or 1 with --no-scale-embedding) "
+             "or learnable (a learnable scalar starting there; DyT's LLM recipe)")
+
+
+@dataclass(frozen=True)
+class BeyondSettings:
+    qknorm: bool
+    qknorm_g0: Optional[float]
+    residual_scale: str
+    embed_scale: str
+
+
+def resolve_beyond_args(args, norm_type: str, prenorm: bool, weight_init_given: bool) -> BeyondSettings:
+    """Validate the flags (``norm_type``/``prenorm``/``weight_init`` already resolved;
+    ``weight_init_given``: the user chose an init other than fairseq's)."""
+    for name, value in BEYOND_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    residual = args.residual_scale = args.residual_scale or "none"
+    embed_scale = args.embed_scale = args.embed_scale or "fixed"
+
+    def refuse(message):
+        raise NormplugError(message)
+
+    if residual not in RESIDUAL_SCALES:
+        refuse(f"unknown --residual-scale {residual!r}; choose from {', '.join(RESIDUAL_SCALES)}")
+    if embed_scale not in EMBED_SCALES:
+        refuse(f"unknown --embed-scale {embed_scale!r}; choose from {', '.join(EMBED_SCALES)}")
+    if args.qknorm_g0 is not None and not args.qknorm:
+        refuse("--qknorm-g0 needs --qknorm")
+    if args.qknorm_g0 is not None and args.qknorm_g0 <= 0:
+        refuse(f"--qknorm-g0 must be > 0, got {args.qknorm_g0}")
+    if args.qknorm:
+        for name in ("encoder_xformers_att_config", "decoder_xformers_att_config"):
+            if getattr(args, name, None):
+                refuse(f"--qknorm cannot be combined with --{name.replace('_', '-')}: xFormers "
+                       f"attention applies its own 1/sqrt(d_k) scaling; drop one of them")
+        if getattr(args, "quant_noise_pq", 0):
+            refuse(f"--qknorm cannot be combined with --quant-noise-pq {args.quant_noise_pq}: "
+                   "QKNorm replaces the q/k projections that quant-noise hooks into")
+    if residual == "deepnorm":
+        if prenorm:
+            refuse("--residual-scale deepnorm is defined for PostNorm only (DeepNet, Wang et al. "
+                   "2022); drop --prenorm / --encoder-normalize-before / --decoder-normalize-before")
+        if norm_type == "identity":
+            refuse("--residual-scale deepnorm needs a norm after each residual (alpha*x grows "
+                   "unboundedly without it); choose a --norm-type other than identity")
+        if weight_init_given:
+            refuse(f"--residual-scale deepnorm brings its own init (DeepNet's beta-scaled Xavier); "
+                   f"drop --weight-init {args.weight_init}")
+    if args.weight_init == "tfixup":
+        if norm_type != "identity":
+            refuse(f"--weight-init tfixup is for models without norms (T-Fixup, Huang et al. 2020); "
+                   f"add --norm-type identity, got --norm-type {norm_type}")
+        if residual != "none":
+            refuse(f"--weight-init tfixup cannot be combined with --residual-scale {residual}: "
+                   f"T-Fixup's scaling already controls the residual branches")
+        if getattr(args, "fixnorm", False):
+            refuse("--weight-init tfixup cannot be combined with --fixnorm: T-Fixup sets the "
+                   "embedding init and scale itself")
+    return BeyondSettings(qknorm=args.qknorm, qknorm_g0=args.qknorm_g0,
+                          residual_scale=residual, embed_scale=embed_scale)

@@ -1,0 +1,37 @@
+"""Dynamic erf (Derf) of Chen, Lu, Zhu, Sun & Liu (2025), "Stronger Normalization-Free
+Transformers" (arXiv:2512.10938): the point-wise function Derf(x) = erf(alpha x + s) of the
+paper, with DyT's per-channel affine, as in the authors' code (zlab-princeton/Derf,
+``Dynamic_erf``): Derf(x) = gamma * erf(alpha * x + s) + beta.
+
+The paper text available to us gives no equation number; the defaults alpha0 = 0.5 and
+s0 = 0 are the authors' code defaults (``alpha_init_value=0.5, shift_init_value=0.0``).
+"""
+import torch
+from torch import nn
+
+from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std
+
+DERF_DEFAULT_ALPHA = 0.5
+
+
+class Derf(FormulaNorm):
+    """Derf: learnable scalars ``alpha`` (init ``alpha_init``) and ``shift`` (s, init 0), a
+    per-channel gain ``weight`` (gamma, init 1) and ``bias`` (beta, init 0).
+    ``init_from_input`` sets alpha0 = 1/std of the input (``--derf-alpha-init auto``)."""
+
+    auto_init_parameter = "alpha"
+
+    def __init__(self, dim: int, alpha_init: float = DERF_DEFAULT_ALPHA, shift_init: float = 0.0):
+        super().__init__(dim)
+        if not alpha_init > 0:
+            raise ValueError(f"Derf alpha init must be positive, got {alpha_init}")
+        self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
+        self.shift = nn.Parameter(torch.tensor(float(shift_init)))
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def formula(self, x, alpha, shift, weight, bias):
+        return weight * torch.erf(alpha * x + shift) + bias
+
+    def init_from_input(self, mean: float, mean_square: float) -> float:
+        return self.set_scalar("alpha", inverse_std(mean, mean_square))

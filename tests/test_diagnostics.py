@@ -1,0 +1,217 @@
+"""convert_norms and plot_norms on a tiny stock-transformer LayerNorm model trained here:
+the converted checkpoint loads (fairseq-generate too) and holds only calibrated DyT, the
+calibrated alpha fits the real activations better than alpha = 0.5, the figures plot what the
+CSV files say, and bad input fails in one line."""
+import csv
+import re
+import os
+import shutil
+
+import pytest
+import torch
+from fairseq import checkpoint_utils
+from fairseq.modules import MultiheadAttention
+
+from conftest import REPO, cli, run_cli
+from fairseq_normplug.diagnostics import convert, fitting, plot_norms
+from fairseq_normplug.diagnostics.attention import attention_logits, query_statistics
+from fairseq_normplug.diagnostics.loading import batches, collect_norm_activations, load_checkpoint
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_placement import named_norms
+from fairseq_normplug.modules.derf import Derf
+from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
+
+TINY_STOCK = ["--arch", "transformer", "--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128",
+              "--encoder-attention-heads", "2", "--encoder-layers", "2", "--decoder-embed-dim", "64",
+              "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "2", "--decoder-layers", "2",
+              "--share-all-embeddings"]
+SITES = ["enc0.attn", "enc0.ffn", "enc1.attn", "enc1.ffn", "dec0.attn", "dec0.cross", "dec0.ffn",
+         "dec1.attn", "dec1.cross", "dec1.ffn"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_bin, tmp_path_factory):
+    """A stock PostNorm LayerNorm transformer (d=64, 2+2 layers) trained 60 updates."""
+    save_dir = tmp_path_factory.mktemp("trained")
+    run_cli([cli("fairseq-train"), tiny_bin, *TINY_STOCK, "--cpu", "--num-workers", "0", "--optimizer", "adam",
+             "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
+             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "1000",
+             "--max-update", "60", "--disable-validation", "--required-batch-size-multiple", "1",
+             "--no-epoch-checkpoints", "--save-dir", str(save_dir), "--seed", "1"],
+            env={"OMP_NUM_THREADS": "1"})
+    return str(save_dir / "checkpoint_last.pt")
+
+
+@pytest.fixture(scope="module")
+def converted(trained, tiny_bin, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("converted") / "dyt.pt")
+    report = convert.convert(trained, tiny_bin, out, "dyt", finetune_updates=2, generation={"beam": 1},
+                             echo=lambda message: None)
+    return out, report
+
+
+def test_conversion_gives_a_loadable_dyt_checkpoint(converted, tiny_bin):
+    out, report = converted
+    [model], cfg, _ = checkpoint_utils.load_model_ensemble_and_task([out], arg_overrides={"data": tiny_bin})
+    assert cfg.model.arch == "transformer_normplug" and cfg.model.norm_type == "dyt"
+    norms = named_norms(model)
+    assert list(norms) == SITES
+    assert all(type(norm) is DynamicTanh for norm in norms.values())
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    for name, norm in norms.items():
+        assert float(norm.alpha) == pytest.approx(report["fits"][name]["alpha"], rel=1e-6)
+    stages = [stage["stage"] for stage in report["stages"]]
+    assert stages == ["before conversion (LayerNorm)", "naive swap (dyt, alpha = 0.5)",
+                      "calibrated dyt (no training)", "calibrated dyt + 2-update fine-tune"]
+    assert all(0 <= stage["bleu"] <= 100 and stage["loss"] > 0 for stage in report["stages"])
+    # calibration beats the naive swap on dev loss
+    assert report["calibration_beats_naive"] and report["stages"][2]["loss"] < report["stages"][1]["loss"]
+    json_path, md_path, finetune_dir = convert.report_paths(out)
+    assert '"calibration_beats_naive": true' in open(json_path).read()
+    markdown = open(md_path).read()
+    assert "| calibrated dyt (no training) | " in markdown and "| dec1.cross |" in markdown
+    assert report["finetuned"] == os.path.join(finetune_dir, "checkpoint_last.pt")
+
+    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--path", out, "--user-dir",
+                    os.path.join(REPO, "fairseq_normplug"), "--beam", "1", "--cpu", "--gen-subset", "valid",
+                    "--max-tokens", "4000", "--required-batch-size-multiple", "1"])
+    assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 100
+
+
+def test_calibrated_alpha_fits_better_than_the_default(trained, tiny_bin, converted):
+    loaded = load_checkpoint(trained, tiny_bin)
+    samples = list(batches(loaded.task, "valid", 1000, limit_tokens=500))  # held out from calibration
+    calibrated = named_norms(load_checkpoint(converted[0], tiny_bin).model)
+    for name, (layer_norm, x, y) in collect_norm_activations(loaded, samples).items():
+        assert torch.allclose(layer_norm(x), y, atol=1e-5)  # the recorded pairs are the LayerNorm's
+        naive = fitting.mean_squared_error(fitting.naive_dyt(layer_norm)(x), y)
+        with torch.no_grad():
+            assert fitting.mean_squared_error(calibrated[name](x), y) < 0.8 * naive, name
+        # alpha alone (gamma kept) already beats alpha = 0.5
+        module, info = fitting.fit_dyt(layer_norm, x, y, refit_gamma=False)
+        assert torch.equal(module.weight, layer_norm.weight) and info["mse"] < info["naive_mse"]
+        assert info["mse"] == pytest.approx(fitting.mean_squared_error(module(x).detach(), y), rel=1e-4)
+        derf, info = fitting.fit_derf(layer_norm, x, y)
+        assert info["mse"] < info["naive_mse"] and -1 <= float(derf.shift) <= 1
+        with torch.no_grad():
+            assert fitting.mean_squared_error(derf(x), y) < fitting.mean_squared_error(fitting.naive_derf(layer_norm)(x), y)
+
+
+def test_conversion_to_derf(trained, tiny_bin, tmp_path):
+    out = str(tmp_path / "derf.pt")
+    report = convert.convert(trained, tiny_bin, out, "derf", generation={"beam": 1}, echo=lambda message: None)
+    assert report["calibration_beats_naive"] and [s["stage"] for s in report["stages"]][1:] == [
+        "naive swap (derf, alpha = 0.5)", "calibrated derf (no training)"]
+    norms = named_norms(load_checkpoint(out, tiny_bin).model)
+    assert list(norms) == SITES and all(type(norm) is Derf for norm in norms.values())
+    assert float(norms["dec0.ffn"].shift) == pytest.approx(report["fits"]["dec0.ffn"]["shift"], abs=1e-6)
+
+
+def test_minimise_log_scalar_finds_the_minimum():
+    alpha, value = fitting.minimise_log_scalar(lambda a: (a - 0.37) ** 2, center=1.0)
+    assert alpha == pytest.approx(0.37, rel=1e-4) and value < 1e-8
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def assert_png(path):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC and os.path.getsize(path) > 5000
+
+
+@pytest.mark.parametrize("which", ["layernorm", "dyt"])
+def test_plots_contain_what_the_csv_says(which, trained, converted, tiny_bin, tmp_path):
+    checkpoint = trained if which == "layernorm" else converted[0]
+    result = plot_norms.main([checkpoint, tiny_bin, str(tmp_path), "--tokens", "400", "--points", "500"])
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["attention.csv", "attention.png", "norms.csv", "s_curves_dec.png", "s_curves_enc.png",
+                     "scale_vs_std.png"]
+    for name in names:
+        if name.endswith(".png"):
+            assert_png(tmp_path / name)
+    norms = read_csv(tmp_path / "norms.csv")
+    assert [row["site"] for row in norms] == SITES and {row["norm_type"] for row in norms} == {which}
+    figures = result["figures"]
+    assert list(figures["s_curves_enc.png"]) == SITES[:4] and list(figures["s_curves_dec.png"]) == SITES[4:]
+    assert all(points == 500 for points in figures["s_curves_dec.png"].values())
+    scale = figures["scale_vs_std.png"]
+    assert scale["sites"] == SITES
+    assert scale["scale"] == pytest.approx([float(row["scale"]) for row in norms], rel=1e-6)
+    assert scale["inverse_std"] == pytest.approx([float(row["inverse_std"]) for row in norms], rel=1e-6)
+    if which == "dyt":
+        alphas = {name: float(norm.alpha) for name, norm in named_norms(load_checkpoint(checkpoint, tiny_bin).model).items()}
+        assert [float(row["scale"]) for row in norms] == pytest.approx([alphas[s] for s in SITES])
+        assert {row["scale_kind"] for row in norms} == {"alpha"}
+        assert scale["saturated_fraction"] == pytest.approx({row["site"]: float(row["saturated_fraction"])
+                                                             for row in norms})
+        assert all(0 <= float(row["saturated_fraction"]) <= 1 for row in norms)
+    else:
+        assert {row["scale_kind"] for row in norms} == {"mean 1/std per token"}
+        assert all(row["saturated_fraction"] == "" for row in norms) and not scale["saturated_fraction"]
+    attention = read_csv(tmp_path / "attention.csv")
+    assert [row["attention"] for row in attention] == ["enc0.self", "enc1.self", "dec0.self", "dec0.cross",
+                                                       "dec1.self", "dec1.cross"]
+    plotted = figures["attention.png"]
+    assert plotted["dec.cross"]["layers"] == [0, 1]
+    assert plotted["dec.cross"]["max_logit"] == pytest.approx(
+        [float(row["max_logit"]) for row in attention if row["kind"] == "cross"])
+    assert plotted["enc.self"]["entropy"] == pytest.approx(
+        [float(row["entropy"]) for row in attention if row["stack"] == "enc"])
+
+
+def test_recomputed_attention_matches_fairseq():
+    torch.manual_seed(0)
+    attention = MultiheadAttention(16, 4, self_attention=True).eval()
+    x = torch.randn(5, 3, 16)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1, 3:] = True
+    causal = torch.triu(torch.full((5, 5), float("-inf")), 1)
+    _, weights = attention(x, x, x, key_padding_mask=padding, attn_mask=causal, need_weights=True)
+    logits = attention_logits(attention, x, x, padding, causal)  # (batch, heads, queries, keys)
+    assert torch.allclose(torch.softmax(logits, -1).mean(1), weights, atol=1e-6)  # fairseq: mean over heads
+    stats = query_statistics(logits)
+    assert torch.allclose(stats["entropy"][:, 0], torch.zeros(3), atol=1e-6)  # the first query sees one key
+    assert torch.all(stats["entropy"][:, 1:] > 0)
+    assert torch.allclose(stats["max_logit"][:, 0], logits[:, :, 0, 0].amax(1))
+    assert stats["max_logit"].shape == (3, 5)
+
+
+def test_bad_input_one_line_each(trained, converted, tiny_bin, tmp_path):
+    mismatched = tmp_path / "other_dict"
+    shutil.copytree(tiny_bin, mismatched)
+    for side in ("src", "tgt"):
+        with open(mismatched / f"dict.{side}.txt", "a") as f:
+            f.write("extra1 1\nextra2 1\n")
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    out = str(tmp_path / "out.pt")
+    cases = [
+        ([str(tmp_path / "missing.pt"), tiny_bin, out], "no such checkpoint: .*missing.pt"),
+        ([str(garbage), tiny_bin, out], "cannot read .*garbage.pt as a fairseq checkpoint"),
+        ([converted[0], tiny_bin, out], "has no LayerNorm to convert \\(its norms: DynamicTanh\\)"),
+        ([trained, str(mismatched), out], "other_dict does not match .*: its source dictionary has"),
+        ([trained, str(tmp_path), out], "is not a binarized data folder"),
+        ([trained, tiny_bin, out, "--to", "erf"], "unknown conversion target --to 'erf'; choose from dyt, derf"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            convert.main(argv)
+        text = str(exit_info.value)
+        assert text.startswith("convert_norms.sh: error: ") and "\n" not in text
+        assert re.search(message, text), text
+    assert not os.path.exists(out)
+    with pytest.raises(SystemExit, match="plot_norms.sh: error: .*does not match"):
+        plot_norms.main([trained, str(mismatched), str(tmp_path / "plots")])
+    proc = run_cli([os.path.join(REPO, "scripts", "convert_norms.sh"), str(tmp_path / "missing.pt"), tiny_bin,
+                    out], check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"convert_norms.sh: error: no such checkpoint: {tmp_path}/missing.pt"]
+
+
+def test_load_checkpoint_rejects_a_missing_subset(trained, tiny_bin, tmp_path):
+    with pytest.raises(NormplugError, match="has no 'nothing' subset"):
+        plot_norms.plot_norms(trained, tiny_bin, str(tmp_path), subset="nothing")
