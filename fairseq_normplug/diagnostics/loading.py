@@ -21,7 +21,7 @@ from torch import nn
 from fairseq_normplug.cli import user_dir
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
-from fairseq_normplug.experiments.runner import bpe_of
+from fairseq_normplug.experiments.runner import subword_method
 from fairseq_normplug.models.norm_placement import named_norms
 
 #: fairseq-generate settings of the dev BLEU (the TED recipe's beam and length penalty)
@@ -65,7 +65,10 @@ def resolve_data(data_dir: str) -> Tuple[str, str]:
         raise NormplugError(f"{data_dir} is not a binarized data folder (no dict.*.txt in it or in "
                             f"its bin/); pass the folder the model was trained on")
     prepared = data_dir if data_bin != data_dir else os.path.dirname(os.path.abspath(data_bin))
-    return os.path.abspath(data_bin), bpe_of(prepared)
+    if not os.path.exists(os.path.join(prepared, "manifest.json")):
+        # a plain fairseq-preprocess folder: removing subword-nmt's "@@ " is a no-op without BPE
+        return os.path.abspath(data_bin), "subword_nmt"
+    return os.path.abspath(data_bin), subword_method(prepared)
 
 
 def _read_state(path: str, data_bin: str) -> dict:
