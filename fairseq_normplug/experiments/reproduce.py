@@ -8,13 +8,13 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, tables
 from fairseq_normplug.experiments.configs import REPO, Table, available_tables, load_data_locations, load_table
 from fairseq_normplug.experiments.runner import (
-    Run, check_data_dir, evaluate, read_json, slug, test_hypotheses, test_references, train,
+    Run, check_data_dir, evaluate, read_json, run_folder, test_hypotheses, test_references, train,
 )
 
 #: run status (status.json) -> results-table status
@@ -22,8 +22,8 @@ RESULT_STATUS = {"done": "ok", "pending": "failed"}
 
 
 def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str,
-              rows: List[str] = ()) -> List[Run]:
-    """All (pair, row) runs, after checking every input (nothing is trained on bad input)."""
+              rows: List[str] = (), seeds: Sequence[int] = (1,)) -> List[Run]:
+    """All (pair, row, seed) runs, after checking every input (nothing is trained on bad input)."""
     selected = [table.row(name) for name in rows] if rows else table.rows
     runs = []
     for pair in pairs:
@@ -33,8 +33,9 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
             raise NormplugError(f"no data folder for {pair}: pass --data {pair}=DIR or add it to configs/data.json")
         check_data_dir(data_dirs[pair], pair)
         for row in selected:
-            runs.append(Run(table=table, row=row, pair=pair, data_dir=data_dirs[pair],
-                            run_dir=os.path.join(runs_dir, table.name, pair, slug(row.name))))
+            for seed in seeds:
+                runs.append(Run(table=table, row=row, pair=pair, data_dir=data_dirs[pair], seed=seed,
+                                run_dir=run_folder(runs_dir, table.name, pair, row.name, seed)))
     return runs
 
 

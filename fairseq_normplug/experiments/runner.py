@@ -158,6 +158,7 @@ class Run:
     pair: str
     data_dir: str
     run_dir: str
+    seed: int = 1
 
     @property
     def src(self) -> str:
@@ -169,7 +170,8 @@ class Run:
 
     @property
     def label(self) -> str:
-        return f"{self.table.name} {self.pair} | {self.row.name}"
+        seed = f" | seed {self.seed}" if self.seed != 1 else ""
+        return f"{self.table.name} {self.pair} | {self.row.name}{seed}"
 
     @property
     def recipe(self) -> Recipe:
@@ -197,10 +199,16 @@ class Run:
         command = [os.path.join(BIN_DIR, "fairseq-train"), os.path.join(self.data_dir, "bin"),
                    "--user-dir", USER_DIR, *TASK, "--source-lang", self.src, "--target-lang", self.tgt,
                    "--arch", recipe.arch, *flags, *dev_bleu_flags(recipe.decoding, subword_method(self.data_dir)),
-                   "--save-dir", self.path("checkpoints"), "--no-epoch-checkpoints", "--seed", "1",
+                   "--save-dir", self.path("checkpoints"), "--no-epoch-checkpoints", "--seed", str(self.seed),
                    "--log-format", "json", "--num-workers", "0", *ALL_BATCHES, *self.device_flags(),
                    *update_freq_flags(recipe, flags + list(extra)), *extra]
         return command + checkpoint_selection_flags(command)
+
+
+def run_folder(runs_dir: str, table: str, pair: str, row: str, seed: int = 1) -> str:
+    """``RUNS_DIR/TABLE/PAIR/ROW-SLUG`` for seed 1 (the folder of a one-seed table), and
+    ``RUNS_DIR/TABLE/PAIR/ROW-SLUG-seedN`` for every other seed N."""
+    return os.path.join(runs_dir, table, pair, slug(row) + (f"-seed{seed}" if seed != 1 else ""))
 
 
 def check_data_dir(data_dir: str, pair: str) -> None:
