@@ -7,8 +7,11 @@
 * :func:`compound_split_bleu`: the WMT'14 en-de recipe (fairseq's
   ``scripts/compound_split_bleu.sh``): ``a-b`` becomes ``a ##AT##-##AT## b`` on both sides,
   then tokenized BLEU.
+* :func:`multi_bleu_detok`: Moses' ``multi-bleu-detok.perl`` (mteval-v13a tokenization inside,
+  no smoothing) on the same tokenized lines, as QKNorm's authors scored their 33.24 en-vi.
 * :func:`paired_bootstrap`: p-value of a system against a baseline (sacreBLEU's paired
-  bootstrap resampling, Koehn 2004).
+  bootstrap resampling, Koehn 2004) in any metric of :data:`METRIC_SCORERS`;
+  :func:`paired_bootstrap_seeds` the same over the concatenated test sets of several seeds.
 * :func:`read_fairseq_generate`: hypotheses and references of a ``fairseq-generate`` output.
 * :func:`score_translation`: all of the above for one system, as a dict (also the CLI)::
 
@@ -25,7 +28,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
@@ -149,6 +152,50 @@ def compound_split_bleu(hyps: Sequence[str], refs: Sequence[str]) -> BleuScore:
     return tokenized_bleu([compound_split(h) for h in hyps], [compound_split(r) for r in refs])
 
 
+def _multi_bleu_detok_metric() -> BLEU:
+    # multi-bleu-detok.perl: mteval-v13a's tokenization (sacreBLEU's 13a), case-sensitive, no smoothing
+    return BLEU(tokenize="13a", force=True, lowercase=False, smooth_method="none")
+
+
+def multi_bleu_detok(hyps: Sequence[str], refs: Sequence[str]) -> BleuScore:
+    """``multi-bleu-detok.perl refs < hyps``: BLEU after mteval-v13a tokenization of both sides,
+    unsmoothed. Meant for raw text; QKNorm's authors ran it on the tokenized, BPE-free output
+    and the tokenized references (CyndxAI/QKNorm ``score_test_data.ipynb``), so it is computed
+    here from the same lines as :func:`tokenized_bleu` (13a splits ``&apos;s`` further)."""
+    return _bleu_score(_multi_bleu_detok_metric(), hyps, refs)
+
+
+def _unchanged(lines: Sequence[str]) -> List[str]:
+    return list(lines)
+
+
+def _compound_split_lines(lines: Sequence[str]) -> List[str]:
+    return [compound_split(line) for line in lines]
+
+
+@dataclass(frozen=True)
+class MetricScorer:
+    """How one metric of ``tables.METRICS`` is computed from tokenized, BPE-free lines:
+    ``prepare`` rewrites hypotheses and references alike, ``metric`` builds the sacreBLEU scorer."""
+    prepare: Callable[[Sequence[str]], List[str]]
+    metric: Callable[[], BLEU]
+
+
+#: the metrics a results table's cells and its significance test can use (tables.CELL_METRICS)
+METRIC_SCORERS: Dict[str, MetricScorer] = {
+    "tokenized_bleu": MetricScorer(_unchanged, _tokenized_metric),
+    "compound_split_bleu": MetricScorer(_compound_split_lines, _tokenized_metric),
+    "multi_bleu_detok": MetricScorer(_unchanged, _multi_bleu_detok_metric),
+}
+
+
+def _scorer(metric: str) -> MetricScorer:
+    if metric not in METRIC_SCORERS:
+        raise NormplugError(f"unknown metric {metric!r} for a significance test; choose from "
+                            f"{', '.join(METRIC_SCORERS)}")
+    return METRIC_SCORERS[metric]
+
+
 @contextlib.contextmanager
 def _sacrebleu_seed(seed: int) -> Iterator[None]:
     """sacreBLEU's significance tests take their seed from $SACREBLEU_SEED only."""
@@ -164,25 +211,47 @@ def _sacrebleu_seed(seed: int) -> Iterator[None]:
 
 
 def paired_bootstrap(baseline_hyps: Sequence[str], system_hyps: Sequence[str],
-                     refs: Sequence[str], n_samples: int = 1000, seed: int = 12345) -> BootstrapResult:
-    """Paired bootstrap resampling (Koehn 2004) of tokenized BLEU, via sacreBLEU's
-    ``PairedTest(test_type="bs")``: the same ``n_samples`` resampled test sets score both
-    systems. A zero observed difference gets p = 1: sacreBLEU's strict ``>`` count would
-    otherwise give identical systems p = 1/(n_samples+1), i.e. "significant"."""
+                     refs: Sequence[str], n_samples: int = 1000, seed: int = 12345,
+                     metric: str = "tokenized_bleu") -> BootstrapResult:
+    """Paired bootstrap resampling (Koehn 2004) of ``metric`` (tokenized BLEU by default; any
+    name of :data:`METRIC_SCORERS`), via sacreBLEU's ``PairedTest(test_type="bs")``: the same
+    ``n_samples`` resampled test sets score both systems. A zero observed difference gets
+    p = 1: sacreBLEU's strict ``>`` count would otherwise give identical systems
+    p = 1/(n_samples+1), i.e. "significant"."""
     _check_parallel(baseline_hyps, refs, "baseline hypotheses")
     _check_parallel(system_hyps, refs, "system hypotheses")
     if seed <= 0:
         raise NormplugError(f"bootstrap seed must be a positive integer, got {seed}")
-    metric = _tokenized_metric()
+    scorer = _scorer(metric)
+    baseline_hyps, system_hyps, refs = (scorer.prepare(lines) for lines in (baseline_hyps, system_hyps, refs))
     with _sacrebleu_seed(seed):
         test = PairedTest([("baseline", list(baseline_hyps)), ("system", list(system_hyps))],
-                          {"BLEU": metric}, [list(refs)], test_type="bs", n_samples=n_samples)
+                          {"BLEU": scorer.metric()}, [list(refs)], test_type="bs", n_samples=n_samples)
     signatures, scores = test()
     baseline, system = scores["BLEU"]
     p_value = 1.0 if system.score == baseline.score else float(system.p_value)
     return BootstrapResult(p_value=p_value, baseline_score=baseline.score, system_score=system.score,
                            system_mean=float(system.mean), system_ci=float(system.ci),
                            n_samples=n_samples, seed=seed, signature=str(signatures["BLEU"]))
+
+
+def paired_bootstrap_seeds(baseline_by_seed: Sequence[Sequence[str]], system_by_seed: Sequence[Sequence[str]],
+                           refs: Sequence[str], n_samples: int = 1000, seed: int = 12345,
+                           metric: str = "tokenized_bleu") -> BootstrapResult:
+    """:func:`paired_bootstrap` over the concatenated test sets of several training seeds:
+    block k of the concatenation holds the baseline's and the system's translations of
+    training seed k (seeds paired by their number, in the order given), every block scored
+    against ``refs``. One seed gives exactly :func:`paired_bootstrap`. docs/evaluation.md
+    says why this test and what it cannot tell with few seeds."""
+    if not system_by_seed or len(baseline_by_seed) != len(system_by_seed):
+        raise NormplugError(f"paired bootstrap over seeds needs the same number (>= 1) of baseline and "
+                            f"system seeds, got {len(baseline_by_seed)} and {len(system_by_seed)}")
+    for baseline_hyps, system_hyps in zip(baseline_by_seed, system_by_seed):
+        _check_parallel(baseline_hyps, refs, "baseline hypotheses")
+        _check_parallel(system_hyps, refs, "system hypotheses")
+    return paired_bootstrap([h for hyps in baseline_by_seed for h in hyps],
+                            [h for hyps in system_by_seed for h in hyps],
+                            list(refs) * len(system_by_seed), n_samples, seed, metric)
 
 
 def _missing_ids(ids, expected: int) -> List[int]:
@@ -264,8 +333,8 @@ def score_translation(hyps: Sequence[str], refs: Sequence[str], lang: Optional[s
                       baseline_hyps: Optional[Sequence[str]] = None) -> dict:
     """Every score of one system, from tokenized BPE-free ``hyps`` and ``refs``, as a flat
     JSON-ready dict: ``tokenized_bleu`` with ``precisions``, ``brevity_penalty``,
-    ``sys_len``, ``ref_len``, ``length_ratio`` (``sys_len / ref_len``), ``bleu_signature``
-    and ``sentences``; with ``lang``:
+    ``sys_len``, ``ref_len``, ``length_ratio`` (``sys_len / ref_len``), ``bleu_signature``,
+    ``sentences`` and ``multi_bleu_detok`` (:func:`multi_bleu_detok`); with ``lang``:
     ``sacrebleu`` and ``sacrebleu_signature`` (hypotheses Moses-detokenized, against
     ``detok_refs``, the raw references, or else the Moses-detokenized ``refs``); with
     ``compound_split``: ``compound_split_bleu``; with ``baseline_hyps``: ``p_value``
@@ -275,7 +344,8 @@ def score_translation(hyps: Sequence[str], refs: Sequence[str], lang: Optional[s
     tok = tokenized_bleu(hyps, refs)
     scores = {"tokenized_bleu": tok.score, "precisions": list(tok.precisions),
               "brevity_penalty": tok.brevity_penalty, "sys_len": tok.sys_len, "ref_len": tok.ref_len,
-              "bleu_signature": tok.signature, "sentences": len(refs)}
+              "bleu_signature": tok.signature, "sentences": len(refs),
+              "multi_bleu_detok": multi_bleu_detok(hyps, refs).score}
     scores["length_ratio"] = length_ratio(scores)
     if lang:
         detok = sacrebleu_detok(detokenize(hyps, lang),
