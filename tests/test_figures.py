@@ -4,6 +4,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from matplotlib.colors import to_rgb
 
 from conftest import REPO, cli, run_cli
 from fairseq_normplug.errors import NormplugError
@@ -190,3 +191,100 @@ def test_command_line_bad_input(log_paths, tmp_path):
         figures.main(["--log", f"x={tmp_path}/missing.log", "--out", str(tmp_path)])
     with pytest.raises(NormplugError, match="unknown norm name 'dec2.mlp'"):
         figures.norm_sort_key("dec2.mlp")
+
+
+# ---- seeds: a band (mean, min-max) per label, from hand-made logs -----------------------------
+
+def write_log(path, valid_bleu=(), gnorm=(), g=None, label_smoothing=None):
+    """A fairseq JSON training log: valid records {update: BLEU}, train_inner records
+    {update: gnorm}, the last one also holding ScaleNorm g:<norm> values."""
+    lines = []
+    if label_smoothing is not None:
+        lines.append("2025-01-01 00:00:00 | INFO | fairseq_cli.train | {'_name': None, 'criterion': {'_name': "
+                     f"'label_smoothed_cross_entropy', 'label_smoothing': {label_smoothing}}}}}")
+    gnorm = dict(gnorm)
+    for index, (update, value) in enumerate(gnorm.items()):
+        record = {"loss": "5.0", "gnorm": str(value), "num_updates": str(update)}
+        if g and index == len(gnorm) - 1:
+            record.update({f"g:{name}": str(v) for name, v in g.items()})
+        lines.append(f"2025-01-01 00:00:01 | INFO | train_inner | {json.dumps(record)}")
+    for update, value in dict(valid_bleu).items():
+        record = {"valid_loss": "4.0", "valid_bleu": str(value), "valid_num_updates": str(update)}
+        lines.append(f"2025-01-01 00:00:02 | INFO | valid | {json.dumps(record)}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The matplotlib Figures the plot functions save, in order."""
+    figs = []
+    save = figures.save_figure
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: (figs.append(fig), save(fig, path)))
+    return figs
+
+
+def band_polygons(ax):
+    """(x range, y range) of each shaded band (fill_between) on ``ax``."""
+    out = []
+    for collection in ax.collections:
+        vertices = collection.get_paths()[0].vertices
+        out.append(((vertices[:, 0].min(), vertices[:, 0].max()), (vertices[:, 1].min(), vertices[:, 1].max())))
+    return out
+
+
+def test_seed_band_in_the_dev_bleu_figure(tmp_path, drawn):
+    seeds = [write_log(tmp_path / "a1.log", {10: 1.0, 20: 3.0, 30: 5.0}),
+             write_log(tmp_path / "a2.log", {10: 3.0, 20: 5.0}),
+             write_log(tmp_path / "a3.log", {10: 2.0, 20: 7.0, 30: 4.0})]
+    single = write_log(tmp_path / "b.log", {10: 2.0, 20: 2.5})
+    logs = figures.load_logs({"A": seeds, "B": single})
+    data = figures.plot_dev_bleu(logs, str(tmp_path / "bleu.png"))
+    assert data["A"] == figures.SeedBand(xs=[10.0, 20.0, 30.0], mean=[2.0, 5.0, 4.5], low=[1.0, 3.0, 4.0],
+                                         high=[3.0, 7.0, 5.0], seeds=[3, 3, 2])
+    assert data["B"] == ([10.0, 20.0], [2.0, 2.5])  # one seed: the line of today
+    assert_png(tmp_path / "bleu.png")
+
+    ax = drawn[-1].axes[0]
+    mean_line, single_line = ax.lines
+    assert list(mean_line.get_xdata()) == [10.0, 20.0, 30.0] and list(mean_line.get_ydata()) == [2.0, 5.0, 4.5]
+    assert list(single_line.get_ydata()) == [2.0, 2.5]
+    assert band_polygons(ax) == [((10.0, 30.0), (1.0, 7.0))]  # one band, A's min-max; none for B
+    assert ax.collections[0].get_facecolor()[0][:3] == pytest.approx(to_rgb(mean_line.get_color()))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["A (mean, min-max of 3 seeds)", "B"]
+
+    # no seed groups: exactly one line per log, no band
+    figures.plot_dev_bleu(figures.load_logs({"A": seeds[0], "B": single}), str(tmp_path / "one.png"))
+    assert len(drawn[-1].axes[0].lines) == 2 and band_polygons(drawn[-1].axes[0]) == []
+
+
+def test_seed_band_in_the_grad_norm_and_scalenorm_g_figures(tmp_path, drawn):
+    g1 = {"enc0.attn": 20.0, "enc1.attn": 21.0, "enc.final": 25.0, "dec.final": 30.0}
+    g2 = {"enc0.attn": 22.0, "enc1.attn": 20.0, "enc.final": 27.0, "dec.final": 29.0}
+    paths = [write_log(tmp_path / "s1.log", gnorm={5: 2.0, 10: 1.0}, g=g1),
+             write_log(tmp_path / "s2.log", gnorm={5: 4.0, 10: 0.5}, g=g2)]
+    logs = figures.load_logs({"ScaleNorm": paths})
+    gnorm = figures.plot_grad_norm(logs, str(tmp_path / "gnorm.png"))
+    assert gnorm["ScaleNorm"] == figures.SeedBand([5.0, 10.0], [3.0, 0.75], [2.0, 0.5], [4.0, 1.0], [2, 2])
+    assert drawn[-1].axes[0].get_yscale() == "log"
+    assert band_polygons(drawn[-1].axes[0]) == [((5.0, 10.0), (0.5, 4.0))]
+
+    panels = figures.plot_scalenorm_g(logs, str(tmp_path / "g.png"))["ScaleNorm"]
+    assert panels["enc.attn"] == figures.SeedBand([0, 1], [21.0, 20.5], [20.0, 20.0], [22.0, 21.0], [2, 2])
+    assert panels["final"] == figures.SeedBand(["enc", "dec"], [26.0, 29.5], [25.0, 29.0], [27.0, 30.0], [2, 2])
+    attention, final = drawn[-1].axes[0], drawn[-1].axes[5]
+    assert list(attention.lines[0].get_ydata()) == [21.0, 20.5]
+    assert band_polygons(attention) == [((0.0, 1.0), (20.0, 22.0))]
+    assert band_polygons(final) == [((0.0, 1.0), (25.0, 30.0))]
+    assert_png(tmp_path / "g.png")
+
+
+def test_command_line_takes_the_seeds_of_a_label(tmp_path):
+    first = write_log(tmp_path / "1.log", {10: 1.0}, {10: 1.0})
+    second = write_log(tmp_path / "2.log", {10: 3.0}, {10: 2.0})
+    assert figures.parse_log_specs([f"A={first}", f"A={second}", f"B={first}"]) == {"A": [first, second], "B": first}
+    with pytest.raises(NormplugError, match="--log A=.*1.log given twice"):
+        figures.parse_log_specs([f"A={first}", f"A={first}"])
+    outcome = figures.main(["--log", f"A={first}", "--log", f"A={second}", "--out", str(tmp_path / "out"),
+                            "--figures", "dev_bleu"])
+    assert_png(outcome["dev_bleu"])

@@ -2,7 +2,14 @@
 
 Each ``plot_*`` function takes ``{label: TrainingLog}`` and an output path, writes the PNG
 atomically and returns the plotted data, so callers and tests can check it. A figure uses
-the logs that hold its keys and raises :class:`MissingLogData` when none does:
+the logs that hold its keys and raises :class:`MissingLogData` when none does.
+
+**Seeds.** A label may hold a list of logs, one per training seed of the same row
+(``{label: [log of seed 1, log of seed 2, ...]}``). Every figure then draws that label as
+its seed band: the mean over the seeds as the line and the range (min to max) over them as a
+shaded band, in place of one line per seed; at each x (update, layer, norm) over the seeds
+that logged it. The returned data holds a :class:`SeedBand` for such a label. A label with
+one log is drawn, and returned, exactly as without seeds.
 
 =====================  =================================  ===================================
 figure                 paper                              log keys (training flags)
@@ -23,6 +30,8 @@ Command line (makes every figure the logs support, says why it skips the others)
 
     python -m fairseq_normplug.experiments.figures --log PreNorm=runs/a/train.log \\
         --log PostNorm=runs/b/train.log --out results/figures [--figures dev_bleu grad_norm]
+
+(``--log LABEL=PATH`` given twice with one label: two seeds of that label, drawn as a band.)
 """
 import argparse
 import logging
@@ -30,7 +39,7 @@ import math
 import os
 import re
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 # importing fairseq (via the plugin package) sets the root logger to DEBUG; keep
 # matplotlib's font-search chatter out of the output
@@ -42,7 +51,9 @@ from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.experiments.tables import atomic_output  # noqa: E402
 from fairseq_normplug.experiments.training_log import TrainingLog, parse_training_log  # noqa: E402
 
-Logs = Dict[str, TrainingLog]
+#: {label: one log, or the logs of the label's seeds}
+Logs = Dict[str, Union[TrainingLog, Sequence[TrainingLog]]]
+Groups = Dict[str, List[TrainingLog]]
 NORM_NAME = re.compile(r"^(?P<stack>enc|dec)(?P<layer>\d+)?\.(?P<sublayer>attn|cross|ffn|final)$")
 SUBLAYER_ORDER = {"attn": 0, "cross": 1, "ffn": 2}
 STACK_ORDER = {"enc": 0, "dec": 1}
@@ -50,10 +61,68 @@ G_PANELS = (("enc.attn", "Encoder self-attention"), ("enc.ffn", "Encoder FFN"),
             ("dec.attn", "Decoder self-attention"), ("dec.cross", "Decoder enc-dec attention"),
             ("dec.ffn", "Decoder FFN"))
 DYT_TRACKED_NORMS = 3
+BAND_ALPHA = 0.2
 
 
 class MissingLogData(NormplugError):
     """None of the given logs holds the keys a figure needs."""
+
+
+class SeedBand(NamedTuple):
+    """One label's seeds at each x: ``mean``, ``low`` (min), ``high`` (max) over the ``seeds``
+    seeds that have a value at that x."""
+    xs: list
+    mean: List[float]
+    low: List[float]
+    high: List[float]
+    seeds: List[int]
+
+
+Series = Union[Tuple[list, List[float]], SeedBand]
+
+
+def seed_band(per_seed: Sequence[Tuple[Sequence, Sequence[float]]]) -> SeedBand:
+    """The band of several seeds' (xs, ys): at each x that some seed has (numbers sorted,
+    names in first-seen order), the mean, min and max of the seeds' values there."""
+    values: Dict[object, List[float]] = {}
+    for xs, ys in per_seed:
+        for x, y in zip(xs, ys):
+            values.setdefault(x, []).append(y)
+    xs = list(values)
+    if all(isinstance(x, (int, float)) for x in xs):
+        xs.sort()
+    return SeedBand(xs=xs, mean=[sum(values[x]) / len(values[x]) for x in xs], low=[min(values[x]) for x in xs],
+                    high=[max(values[x]) for x in xs], seeds=[len(values[x]) for x in xs])
+
+
+def combine_seeds(per_seed: Sequence[Tuple[Sequence, Sequence[float]]]) -> Series:
+    """One seed's (xs, ys) as they are; several seeds as their :func:`seed_band`."""
+    if len(per_seed) == 1:
+        xs, ys = per_seed[0]
+        return list(xs), list(ys)
+    return seed_band(per_seed)
+
+
+def _band_label(label: str, data: Series) -> str:
+    if isinstance(data, SeedBand):
+        return f"{label} (mean, min-max of {max(data.seeds)} seeds)"
+    return label
+
+
+def draw(ax, data: Series, label: Optional[str] = None, positions: Optional[Dict[object, float]] = None, **style):
+    """Draw ``data`` on ``ax``: a line, or for a :class:`SeedBand` the mean line and a shaded
+    min-max band in the same colour. ``positions`` maps xs to plot positions (named xs)."""
+    xs = data[0] if positions is None else [positions[x] for x in data[0]]
+    if not isinstance(data, SeedBand):
+        return ax.plot(xs, data[1], label=label, **style)[0]
+    line = ax.plot(xs, data.mean, label=None if label is None else _band_label(label, data), **style)[0]
+    ax.fill_between(xs, data.low, data.high, color=line.get_color(), alpha=BAND_ALPHA, linewidth=0)
+    return line
+
+
+def as_groups(logs: Logs) -> Groups:
+    """{label: [log, ...]}: a single log becomes a one-seed list."""
+    return {label: [group] if isinstance(group, TrainingLog) else list(group) for label, group in logs.items()}
 
 
 def parse_norm_name(name: str) -> Tuple[str, Optional[int], str]:
@@ -76,8 +145,13 @@ def _sorted_norms(values: Dict[str, float]) -> Dict[str, float]:
     return {name: values[name] for name in sorted(values, key=norm_sort_key)}
 
 
-def _logs_with(logs: Logs, select: Callable[[TrainingLog], bool], figure: str, need: str) -> Logs:
-    chosen = {label: log for label, log in logs.items() if select(log)}
+def _logs_with(logs: Logs, select: Callable[[TrainingLog], bool], figure: str, need: str) -> Groups:
+    """{label: its seeds' logs that hold what the figure needs}, labels without any left out."""
+    chosen = {}
+    for label, group in as_groups(logs).items():
+        kept = [log for log in group if select(log)]
+        if kept:
+            chosen[label] = kept
     if not chosen:
         raise MissingLogData(f"{figure}: no log has {need}")
     return chosen
@@ -89,13 +163,13 @@ def save_figure(fig: Figure, path: str) -> None:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
 
-def _line_figure(series: Dict[str, Tuple[List[float], List[float]]], path: str, title: str,
-                 ylabel: str, log_y: bool = False) -> None:
+def _line_figure(series: Dict[str, Series], path: str, title: str, ylabel: str, log_y: bool = False) -> None:
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2, label=label)
-    if log_y and all(y > 0 for _, ys in series.values() for y in ys):
+    for label, data in series.items():
+        draw(ax, data, label, marker="o", markersize=3, linewidth=1.2)
+    lows = [y for data in series.values() for y in (data.low if isinstance(data, SeedBand) else data[1])]
+    if log_y and all(y > 0 for y in lows):
         ax.set_yscale("log")
         ylabel += " (log scale)"
     ax.set(title=title, xlabel="updates", ylabel=ylabel)
@@ -104,25 +178,27 @@ def _line_figure(series: Dict[str, Tuple[List[float], List[float]]], path: str, 
     save_figure(fig, path)
 
 
-def plot_dev_bleu(logs: Logs, path: str) -> Dict[str, Tuple[List[float], List[float]]]:
-    """Tears Fig. 1: dev BLEU against updates, one line per log. Returns {label: (updates, bleu)}."""
-    chosen = _logs_with(logs, lambda log: "valid_bleu" in log.keys("valid"), "dev_bleu",
-                        "valid_bleu (train with --eval-bleu)")
-    series = {label: log.series("valid", "valid_bleu") for label, log in chosen.items()}
-    _line_figure(series, path, "Dev BLEU during training (cf. Transformers without Tears, Fig. 1)",
-                 "dev BLEU")
+def _series_figure(logs: Logs, kind: str, key: str, figure: str, need: str, path: str, title: str,
+                   ylabel: str, log_y: bool = False) -> Dict[str, Series]:
+    chosen = _logs_with(logs, lambda log: key in log.keys(kind), figure, need)
+    series = {label: combine_seeds([log.series(kind, key) for log in group]) for label, group in chosen.items()}
+    _line_figure(series, path, title, ylabel, log_y)
     return series
 
 
-def plot_grad_norm(logs: Logs, path: str) -> Dict[str, Tuple[List[float], List[float]]]:
+def plot_dev_bleu(logs: Logs, path: str) -> Dict[str, Series]:
+    """Tears Fig. 1: dev BLEU against updates, one line per log (a band per label with several
+    seeds). Returns {label: (updates, bleu) or SeedBand}."""
+    return _series_figure(logs, "valid", "valid_bleu", "dev_bleu", "valid_bleu (train with --eval-bleu)", path,
+                          "Dev BLEU during training (cf. Transformers without Tears, Fig. 1)", "dev BLEU")
+
+
+def plot_grad_norm(logs: Logs, path: str) -> Dict[str, Series]:
     """Tears Fig. 2: global gradient norm (before clipping, averaged over each log interval)
-    against updates, log scale. Returns {label: (updates, gnorm)}."""
-    chosen = _logs_with(logs, lambda log: "gnorm" in log.keys("train_inner"), "grad_norm",
-                        "gnorm in train_inner records")
-    series = {label: log.series("train_inner", "gnorm") for label, log in chosen.items()}
-    _line_figure(series, path, "Global gradient norm (cf. Transformers without Tears, Fig. 2)",
-                 "gradient norm", log_y=True)
-    return series
+    against updates, log scale. Returns {label: (updates, gnorm) or SeedBand}."""
+    return _series_figure(logs, "train_inner", "gnorm", "grad_norm", "gnorm in train_inner records", path,
+                          "Global gradient norm (cf. Transformers without Tears, Fig. 2)", "gradient norm",
+                          log_y=True)
 
 
 def _g_panels(g: Dict[str, float]) -> Dict[str, Tuple[list, List[float]]]:
@@ -134,24 +210,34 @@ def _g_panels(g: Dict[str, float]) -> Dict[str, Tuple[list, List[float]]]:
     return {key: ([x for x, _ in xy], [y for _, y in xy]) for key, xy in points.items()}
 
 
-def plot_scalenorm_g(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[list, List[float]]]]:
+def _combined_panels(per_seed: Sequence[Dict[str, Tuple[list, List[float]]]]) -> Dict[str, Series]:
+    """{panel: series} of several seeds' {panel: (xs, ys)}: each panel combined over the seeds."""
+    panels = list(dict.fromkeys(key for seed in per_seed for key in seed))
+    return {key: combine_seeds([seed[key] for seed in per_seed if key in seed]) for key in panels}
+
+
+def plot_scalenorm_g(logs: Logs, path: str) -> Dict[str, Dict[str, Series]]:
     """Tears Fig. 3: the last logged ScaleNorm g of every norm, one panel per sublayer type
-    (x: layer) plus the stacks' final norms, one line per log. Returns
-    {label: {panel: (xs, g)}} with panels ``enc.attn``, ``enc.ffn``, ``dec.attn``,
-    ``dec.cross``, ``dec.ffn`` and ``final`` (xs ``enc``/``dec``; PreNorm only)."""
+    (x: layer) plus the stacks' final norms, one line per log (a band per label with several
+    seeds). Returns {label: {panel: (xs, g) or SeedBand}} with panels ``enc.attn``,
+    ``enc.ffn``, ``dec.attn``, ``dec.cross``, ``dec.ffn`` and ``final`` (xs ``enc``/``dec``;
+    PreNorm only)."""
     chosen = _logs_with(logs, lambda log: bool(log.latest("train_inner", "g:")), "scalenorm_g",
                         "g:<norm> keys (train with --scalenorm --norm-stats-interval N)")
-    data = {label: _g_panels(log.latest("train_inner", "g:")) for label, log in chosen.items()}
+    data = {label: _combined_panels([_g_panels(log.latest("train_inner", "g:")) for log in group])
+            for label, group in chosen.items()}
     fig = Figure(figsize=(13, 7), layout="constrained")
     axes = fig.subplots(2, 3)
     for ax, (key, title) in zip(axes.flat, G_PANELS + (("final", "Final norms (PreNorm)"),)):
+        positions = {"enc": 0, "dec": 1} if key == "final" else None
         for label, panels in data.items():
             if key in panels:
-                xs, ys = panels[key]
-                ax.plot(xs, ys, marker="o", label=label)
+                draw(ax, panels[key], label, positions, marker="o")
         ax.set(title=title, xlabel="stack" if key == "final" else "layer", ylabel="g")
         ax.ticklabel_format(axis="y", useOffset=False)
-        if key != "final":
+        if key == "final":
+            ax.set_xticks([0, 1], ["enc", "dec"])
+        else:
             ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
     axes.flat[0].legend()
@@ -164,27 +250,31 @@ def _smoothing_label(label: str, smoothing: float) -> str:
     return f"{label} (label smoothing {smoothing:g})" if smoothing else f"{label} (no label smoothing)"
 
 
-def plot_label_smoothing_g(logs: Logs, path: str) -> Dict[str, Tuple[List[str], List[float]]]:
+def plot_label_smoothing_g(logs: Logs, path: str) -> Dict[str, Series]:
     """Tears Fig. 4: the last logged g of every decoder norm (forward order, the final norm
     feeding the output layer last) for runs with different label smoothing, read from each
-    log's configuration dump. Returns {label: (norm names, g)}."""
+    log's configuration dump. Returns {label: (norm names, g) or SeedBand}."""
     chosen = _logs_with(
         logs, lambda log: log.label_smoothing is not None and any(
             name.startswith("dec") for name in log.latest("train_inner", "g:")),
         "label_smoothing_g", "decoder g:<norm> keys and a configuration dump")
-    if len({log.label_smoothing for log in chosen.values()}) < 2:
+    if len({log.label_smoothing for group in chosen.values() for log in group}) < 2:
         raise MissingLogData("label_smoothing_g: needs logs with g:<norm> keys from runs with "
                              "different --label-smoothing (e.g. 0.1 and 0)")
     data = {}
+    for label, group in chosen.items():
+        per_seed = []
+        for log in group:
+            g = _sorted_norms({name: value for name, value in log.latest("train_inner", "g:").items()
+                               if name.startswith("dec")})
+            per_seed.append((list(g), list(g.values())))
+        data[label] = combine_seeds(per_seed)
+    longest = sorted({name for series in data.values() for name in series[0]}, key=norm_sort_key)
+    positions = {name: index for index, name in enumerate(longest)}
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    for label, log in chosen.items():
-        g = _sorted_norms({name: value for name, value in log.latest("train_inner", "g:").items()
-                           if name.startswith("dec")})
-        data[label] = (list(g), list(g.values()))
-        ax.plot(range(len(g)), list(g.values()), marker="o",
-                label=_smoothing_label(label, log.label_smoothing))
-    longest = max(data.values(), key=lambda names_values: len(names_values[0]))[0]
+    for label, series in data.items():
+        draw(ax, series, _smoothing_label(label, chosen[label][0].label_smoothing), positions, marker="o")
     ax.set_xticks(range(len(longest)), longest, rotation=45, ha="right")
     ax.set(title="Decoder ScaleNorm g with and without label smoothing "
                  "(cf. Transformers without Tears, Fig. 4)", xlabel="decoder norm", ylabel="g")
@@ -200,35 +290,62 @@ def _evenly_spaced(names: List[str], count: int) -> List[str]:
     return [names[round(i * (len(names) - 1) / (count - 1))] for i in range(count)]
 
 
+def _final_alpha(log: TrainingLog) -> Dict[str, float]:
+    return _sorted_norms(log.latest("train_inner", "alpha:"))
+
+
+def _tracked_series(log: TrainingLog, name: str) -> Tuple[List[float], List[float], List[float]]:
+    """(updates, alpha, 1/std of the input) of one DyT norm over training."""
+    updates, alphas = log.series("train_inner", f"alpha:{name}")
+    std_updates, stds = log.series("train_inner", f"in_std:{name}")
+    inverse_std = dict(zip(std_updates, (1.0 / s if s else math.nan for s in stds)))
+    return updates, alphas, [inverse_std.get(u, math.nan) for u in updates]
+
+
 def plot_dyt_alpha(logs: Logs, path: str) -> dict:
     """DyT paper's analysis of alpha. Left: the last logged alpha of every norm (forward
     order), one line per log. Right: alpha (solid) and 1/std of the norm's input (dashed)
     over training for a few norms of the first log. Returns ``{"final_alpha": {label:
-    {norm: alpha}}, "tracked_log": label, "tracked": {norm: (updates, alpha, 1/std)}}``."""
+    {norm: alpha}}, "tracked_log": label, "tracked": {norm: (updates, alpha, 1/std)}}``; a
+    label with several seeds has a :class:`SeedBand` over the norms in ``final_alpha`` and,
+    when it is the tracked one, ``(alpha SeedBand, 1/std SeedBand)`` per tracked norm."""
     chosen = _logs_with(logs, lambda log: bool(log.latest("train_inner", "alpha:")), "dyt_alpha",
                         "alpha:<norm> keys (train with --dyt --norm-stats-interval N)")
-    final_alpha = {label: _sorted_norms(log.latest("train_inner", "alpha:")) for label, log in chosen.items()}
-    tracked_label, tracked_log = next(iter(chosen.items()))
+    final_alpha = {}
+    for label, group in chosen.items():
+        per_seed = [_final_alpha(log) for log in group]
+        final_alpha[label] = per_seed[0] if len(group) == 1 else seed_band(
+            [(list(alphas), list(alphas.values())) for alphas in per_seed])
+    tracked_label, tracked_group = next(iter(chosen.items()))
+    names = list(_final_alpha(tracked_group[0]))
     tracked = {}
-    for name in _evenly_spaced(list(final_alpha[tracked_label]), DYT_TRACKED_NORMS):
-        updates, alphas = tracked_log.series("train_inner", f"alpha:{name}")
-        std_updates, stds = tracked_log.series("train_inner", f"in_std:{name}")
-        inverse_std = dict(zip(std_updates, (1.0 / s if s else math.nan for s in stds)))
-        tracked[name] = (updates, alphas, [inverse_std.get(u, math.nan) for u in updates])
+    for name in _evenly_spaced(names, DYT_TRACKED_NORMS):
+        per_seed = [_tracked_series(log, name) for log in tracked_group]
+        if len(per_seed) == 1:
+            tracked[name] = per_seed[0]
+        else:
+            tracked[name] = (seed_band([(u, a) for u, a, _ in per_seed]), seed_band([(u, i) for u, _, i in per_seed]))
 
     fig = Figure(figsize=(13, 4.8), layout="constrained")
     left, right = fig.subplots(1, 2)
+    all_names = sorted({name for alphas in final_alpha.values() for name in
+                        (alphas.xs if isinstance(alphas, SeedBand) else alphas)}, key=norm_sort_key)
+    positions = {name: index for index, name in enumerate(all_names)}
     for label, alphas in final_alpha.items():
-        left.plot(range(len(alphas)), list(alphas.values()), marker="o", label=label)
-    names = max(final_alpha.values(), key=len)
-    left.set_xticks(range(len(names)), list(names), rotation=60, ha="right", fontsize=8)
+        series = alphas if isinstance(alphas, SeedBand) else (list(alphas), list(alphas.values()))
+        draw(left, series, label, positions, marker="o")
+    left.set_xticks(range(len(all_names)), all_names, rotation=60, ha="right", fontsize=8)
     left.set(title="Learned DyT alpha per norm", xlabel="norm (forward order)", ylabel="alpha")
     left.grid(alpha=0.3)
     left.legend()
-    for index, (name, (updates, alphas, inverse_std)) in enumerate(tracked.items()):
+    for index, (name, series) in enumerate(tracked.items()):
         color = f"C{index}"
-        right.plot(updates, alphas, color=color, marker="o", markersize=3, label=f"alpha {name}")
-        right.plot(updates, inverse_std, color=color, linestyle="--", label=f"1/std {name}")
+        if isinstance(series[0], SeedBand):
+            alpha_series, inverse_series = series
+        else:
+            alpha_series, inverse_series = (series[0], series[1]), (series[0], series[2])
+        draw(right, alpha_series, f"alpha {name}", color=color, marker="o", markersize=3)
+        draw(right, inverse_series, f"1/std {name}", color=color, linestyle="--")
     right.set(title=f"alpha tracks 1/std of its input ({tracked_label})", xlabel="updates",
               ylabel="value")
     right.grid(alpha=0.3)
@@ -243,21 +360,24 @@ def cm_color(index: int, count: int):
     return colormaps["viridis"](index / max(count - 1, 1))
 
 
-def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Tuple[List[float], List[float]]]]:
+def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Series]]:
     """The saturated fraction of every DyT norm's input (``|alpha x| > 2``, tanh's flat
-    part) over training, one panel per log, one line per norm (forward order). Returns
-    {label: {norm: (updates, fraction)}}."""
+    part) over training, one panel per log, one line per norm (forward order; a band per norm
+    for a label with several seeds). Returns {label: {norm: (updates, fraction) or SeedBand}}."""
     chosen = _logs_with(logs, lambda log: bool(log.latest("train_inner", "sat:")), "dyt_saturation",
                         "sat:<norm> keys (train with --dyt --norm-stats-interval N)")
-    data = {label: {name: log.series("train_inner", f"sat:{name}")
-                    for name in _sorted_norms(log.latest("train_inner", "sat:"))}
-            for label, log in chosen.items()}
+    data = {}
+    for label, group in chosen.items():
+        names = sorted({name for log in group for name in log.latest("train_inner", "sat:")}, key=norm_sort_key)
+        data[label] = {name: combine_seeds([log.series("train_inner", f"sat:{name}") for log in group
+                                            if name in log.latest("train_inner", "sat:")]) for name in names}
     fig = Figure(figsize=(6.5 * len(data), 4.5), layout="constrained")
     axes = fig.subplots(1, len(data), squeeze=False)[0]
     for ax, (label, series) in zip(axes, data.items()):
-        for index, (name, (updates, fractions)) in enumerate(series.items()):
-            ax.plot(updates, fractions, color=cm_color(index, len(series)), linewidth=1.2, label=name)
-        ax.set(title=label, xlabel="updates", ylabel="saturated fraction")
+        for index, (name, fractions) in enumerate(series.items()):
+            draw(ax, fractions, name, color=cm_color(index, len(series)), linewidth=1.2)
+        ax.set(title=_band_label(label, next(iter(series.values()))), xlabel="updates",
+               ylabel="saturated fraction")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("DyT inputs in tanh's flat part, |alpha x| > 2 (cf. Transformers without "
@@ -295,29 +415,32 @@ def make_figures(logs: Logs, out_dir: str, names: Optional[Sequence[str]] = None
     return outcome
 
 
-def load_logs(paths: Dict[str, str]) -> Logs:
-    """{label: log path} -> {label: parsed log}."""
-    return {label: parse_training_log(path) for label, path in paths.items()}
+def load_logs(paths: Dict[str, Union[str, Sequence[str]]]) -> Logs:
+    """{label: log path, or the log paths of its seeds} -> {label: parsed log(s)}."""
+    return {label: parse_training_log(path) if isinstance(path, str) else [parse_training_log(p) for p in path]
+            for label, path in paths.items()}
 
 
-def parse_log_specs(specs: Sequence[str]) -> Dict[str, str]:
-    """``["LABEL=path.log", ...]`` -> {label: path}."""
-    paths = {}
+def parse_log_specs(specs: Sequence[str]) -> Dict[str, Union[str, List[str]]]:
+    """``["LABEL=path.log", ...]`` -> {label: path}; a label given several times -> {label:
+    [path, ...]} (one log per seed, drawn as a band)."""
+    paths: Dict[str, List[str]] = {}
     for spec in specs:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
             raise NormplugError(f"--log {spec!r}: expected LABEL=PATH")
-        if label in paths:
-            raise NormplugError(f"--log label {label!r} given twice")
-        paths[label] = path
-    return paths
+        if path in paths.get(label, []):
+            raise NormplugError(f"--log {label}={path} given twice")
+        paths.setdefault(label, []).append(path)
+    return {label: group[0] if len(group) == 1 else group for label, group in paths.items()}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, str]:
     parser = argparse.ArgumentParser(prog="python -m fairseq_normplug.experiments.figures",
                                      description="Draw the papers' figures from fairseq JSON training logs.")
     parser.add_argument("--log", action="append", required=True, metavar="LABEL=PATH",
-                        help="a training log (fairseq-train --log-format json output) and its legend label")
+                        help="a training log (fairseq-train --log-format json output) and its legend label; "
+                             "one label given several times: its seeds, drawn as a band (mean, min-max)")
     parser.add_argument("--out", required=True, help="output folder for the PNG files")
     parser.add_argument("--figures", nargs="+", metavar="NAME", help=f"subset of: {', '.join(FIGURES)}")
     args = parser.parse_args(argv)
