@@ -316,15 +316,17 @@ def test_bad_combinations_are_refused_in_one_line(tiny_bin, flags, message):
 
 # ---- the beyond table -----------------------------------------------------------------------
 
-def test_beyond_table_loads_with_the_qknorm_paper_number():
-    from fairseq_normplug.experiments.tables import load_paper_results, paper_bleu
+def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm_row():
+    from fairseq_normplug.experiments.tables import config_string, load_paper_results, paper_bleu
 
     table = load_table("beyond")
     assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 9 + 12
     final = table.row("PreNorm + FixNorm + ScaleNorm + NoWarmup")
     assert final.model == ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"]
     assert {row.schedule for row in table.rows} == {"no_warmup"}
-    assert paper_bleu(load_paper_results(), "beyond", final.name + " + QKNorm", "en-vi") == 33.24
+    # QKNorm's published 33.24 is FixNorm + LayerNorm + ValDecay, multi-bleu-detok (configs/paper_results.json)
+    qknorm = table.row(final.name + " + QKNorm")
+    assert paper_bleu(load_paper_results(), "beyond", config_string(qknorm.model, qknorm.schedule), "en-vi") is None
     for depth in (6, 12, 18):
         assert table.row(f"PostNorm + DeepNorm {depth} layers").model[-1] == str(depth)
 

@@ -8,7 +8,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, tables
@@ -39,31 +39,67 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     return runs
 
 
-def result_rows(table: Table, runs: List[Run]) -> List[dict]:
-    """One results-table row per run, with the paired-bootstrap p-value of tokenized BLEU
-    against the run's baseline row on the same pair."""
-    by_key = {(run.pair, run.row.name): run for run in runs}
+def _scored(run: Run) -> bool:
+    return read_json(run.path("scores.json")) is not None
+
+
+def cell_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "tokenized_bleu") -> Optional[float]:
+    """The p-value of one cell ({seed: run}) against its baseline row's cell on the same pair:
+    paired bootstrap of ``metric`` over the concatenated test sets of the seeds that both
+    finished, seed k of the row paired with seed k of the baseline (bleu.paired_bootstrap_seeds).
+    None when no seed finished in both."""
+    seeds = sorted(seed for seed in runs if seed in baseline and _scored(runs[seed]) and _scored(baseline[seed]))
+    if not seeds:
+        return None
+    first = runs[seeds[0]]
+    refs, _ = test_references(first.data_dir, first.tgt)
+    return bleu.paired_bootstrap_seeds([test_hypotheses(baseline[seed], len(refs)) for seed in seeds],
+                                       [test_hypotheses(runs[seed], len(refs)) for seed in seeds],
+                                       refs, metric=metric).p_value
+
+
+def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None) -> List[dict]:
+    """One results-table row per run (per seed), with its cell's p-value against the baseline
+    row on the same pair (:func:`cell_p_value`, in the table's cell metric of ``paper``,
+    default configs/paper_results.json), the same on every seed's row."""
+    metric = tables.cell_metric(tables.load_paper_results() if paper is None else paper, table.name)
+    cells: Dict[tuple, Dict[int, Run]] = {}
+    for run in runs:
+        cells.setdefault((run.pair, run.row.name), {})[run.seed] = run
+    p_values = {}
+    for (pair, row_name), cell in cells.items():
+        baseline_name = next(iter(cell.values())).row.baseline
+        baseline = cells.get((pair, baseline_name)) if baseline_name else None
+        p_values[(pair, row_name)] = cell_p_value(cell, baseline, metric) if baseline else None
     out = []
     for run in runs:
         status = run.status()
         scores = read_json(run.path("scores.json")) or {}
-        baseline = by_key.get((run.pair, run.row.baseline)) if run.row.baseline else None
-        p_value = None
-        if scores and baseline is not None and read_json(baseline.path("scores.json")):
-            refs, _ = test_references(run.data_dir, run.tgt)
-            p_value = bleu.paired_bootstrap(test_hypotheses(baseline, len(refs)),
-                                            test_hypotheses(run, len(refs)), refs).p_value
         out.append({
-            "table": table.name, "pair": run.pair, "row": run.row.name,
-            "config": " ".join(run.row.model + [f"schedule={run.row.schedule}"]),
+            "table": table.name, "pair": run.pair, "row": run.row.name, "seed": run.seed,
+            "config": tables.config_string(run.row.model + run.row.train, run.row.schedule),
             "tokenized_bleu": scores.get("tokenized_bleu"), "sacrebleu": scores.get("sacrebleu"),
-            "sacrebleu_signature": scores.get("sacrebleu_signature"), "p_value": p_value,
+            "sacrebleu_signature": scores.get("sacrebleu_signature"),
+            "compound_split_bleu": scores.get("compound_split_bleu"),
+            "multi_bleu_detok": scores.get("multi_bleu_detok"),
+            "p_value": p_values[(run.pair, run.row.name)] if scores else None,
             "length_ratio": bleu.length_ratio(scores),
             "status": RESULT_STATUS.get(status["status"], status["status"]),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
             "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
         })
     return out
+
+
+def figure_logs(runs: List[Run], pairs: Sequence[str]) -> Dict[str, List[str]]:
+    """{figure label: the train.log of each of its seeds}: one label per row (per row and pair
+    when the table runs several pairs); figures draw several seeds as a band."""
+    logs: Dict[str, List[str]] = {}
+    for run in runs:
+        if os.path.exists(run.path("train.log")):
+            label = f"{run.row.name} ({run.pair})" if len(pairs) > 1 else run.row.name
+            logs.setdefault(label, []).append(run.path("train.log"))
+    return logs
 
 
 def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str, results_dir: str,
@@ -77,9 +113,7 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     results = result_rows(table, runs)
     os.makedirs(results_dir, exist_ok=True)
     tables.write_results(results, results_dir, title=table.title)
-    logs = {f"{run.row.name} ({run.pair})" if len(pairs) > 1 else run.row.name: run.path("train.log")
-            for run in runs if os.path.exists(run.path("train.log"))}
-    for name, outcome in figures.make_figures(figures.load_logs(logs), results_dir).items():
+    for name, outcome in figures.make_figures(figures.load_logs(figure_logs(runs, pairs)), results_dir).items():
         echo(f"[reproduce] figure {name}: {outcome}")
     echo(f"[reproduce] results: {os.path.join(results_dir, 'results.md')}, "
          f"{os.path.join(results_dir, 'results.csv')}")

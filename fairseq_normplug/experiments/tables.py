@@ -1,30 +1,42 @@
-"""Result tables: ``results.csv`` (one line per run) and ``results.md`` (laid out like the
-paper's tables: one row per configuration, one column per language pair, cells
-"ours (paper)"), both written atomically.
+"""Result tables: ``results.csv`` (one line per run, i.e. per seed) and ``results.md`` (laid
+out like the paper's tables: one row per configuration, one column per language pair, cells
+"ours (published)"), both written atomically.
 
 A result row is a dict with the keys of :data:`FIELDS`:
 
 * ``table``: the paper table it belongs to (``table3``, as configs/experiments/<table>.json);
 * ``pair``: ``src-tgt`` as fairseq names it (``gl-en``, ``en-vi``, ``en-de``);
 * ``row``: the row name, as in configs/experiments/<table>.json (``PreNorm + FixNorm +
-  ScaleNorm``); rows of configs/paper_results.json pick up the paper's number;
-* ``config``: the run's configuration name;
-* ``tokenized_bleu``: the paper's metric; ``sacrebleu`` + ``sacrebleu_signature``;
-* ``p_value``: paired bootstrap p-value against the row's baseline row (None for a baseline);
+  ScaleNorm``);
+* ``config``: the row's configuration, :func:`config_string` of its flags and schedule (the
+  published numbers of configs/paper_results.json are matched against it);
+* ``seed``: the training seed (1 when absent); a cell of results.md is every seed of one
+  (row, pair);
+* ``tokenized_bleu``: tokenized BLEU; ``sacrebleu`` + ``sacrebleu_signature``;
+  ``compound_split_bleu`` (German targets), ``multi_bleu_detok``: the other metrics of
+  :data:`METRICS`. A table's cells show its ``metric`` (configs/paper_results.json, default
+  tokenized BLEU; Table 6: compound-split BLEU);
+* ``p_value``: the cell's paired bootstrap p-value (in the table's metric, over the seeds both
+  rows finished) against the row's baseline row, the same on each seed's line; None for a baseline;
 * ``length_ratio``: test hypotheses' token length over the references' (``sys_len / ref_len``);
   outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
 * ``selected_update``, ``dev_bleu``: the validation whose checkpoint (best dev BLEU) was
   tested, and its dev BLEU (tokenized, same decoder as the test BLEU);
-* ``paper_bleu``: the paper's number (filled from configs/paper_results.json when None).
+* ``paper_bleu``: the published number beside this row (filled from configs/paper_results.json
+  when None: a reference of the row's configuration in the table's metric, see
+  :func:`matching_reference`).
 """
 import contextlib
 import csv
 import io
 import json
+import math
 import os
 import re
+import statistics
 import tempfile
+from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from fairseq_normplug.errors import NormplugError
@@ -33,19 +45,77 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running")
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
-          "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu")
+          "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
+          "seed", "compound_split_bleu", "multi_bleu_detok")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
-FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu")
-INT_FIELDS = ("updates", "selected_update")
+FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
+                "compound_split_bleu", "multi_bleu_detok")
+INT_FIELDS = ("updates", "selected_update", "seed")
+DEFAULT_SEED = 1
+#: every metric a published number or a table's cells can be in: {name: what it is}
+METRICS = {
+    "tokenized_bleu": "tokenized BLEU (multi-bleu.perl on the tokenized test set)",
+    "compound_split_bleu": "compound-split BLEU (tokenized BLEU after fairseq's compound_split_bleu.sh, "
+                           "as fairseq's WMT'14 en-de recipe reports it)",
+    "multi_bleu_detok": "detokenized BLEU (multi-bleu-detok.perl: mteval-v13a tokenization inside, no smoothing)",
+    "sacrebleu": "sacreBLEU (detokenized text, sacreBLEU's tokenizer, see its signature)",
+}
+#: column headers of the metrics in the runs list
+METRIC_COLUMNS = {"tokenized_bleu": "BLEU", "compound_split_bleu": "compound-split",
+                  "multi_bleu_detok": "multi-bleu-detok", "sacrebleu": "sacreBLEU"}
+#: metrics a table's cells (and so its significance test) can use: computed from tokenized lines
+CELL_METRICS = ("tokenized_bleu", "compound_split_bleu", "multi_bleu_detok")
+DEFAULT_METRIC = "tokenized_bleu"
+#: what identifies a configuration: {attribute: how it is read from a row's flags}
+CONFIGURATION_KEYS = {
+    "placement": "prenorm with --prenorm, else postnorm",
+    "norm": "--norm-type, or the shorthand --scalenorm / --rmsnorm / --dyt; layernorm by default",
+    "fixnorm": "true with --fixnorm",
+    "qknorm": "true with --qknorm",
+    "init": "--weight-init, or smallinit with --smallinit; fairseq by default",
+    "residual_scale": "--residual-scale; none by default",
+    "layers": "\"E/D\" from --encoder-layers / --decoder-layers; null when neither is given (the recipe's)",
+    "schedule": "the row's schedule name (configs/schedules.json)",
+    "stop_lr": "--stop-lr; 5e-05 (the plugin's default, the paper's) when not given",
+}
+DEFAULT_STOP_LR = 5e-5
+NORM_SHORTHANDS = {"--scalenorm": "scalenorm", "--rmsnorm": "rmsnorm", "--dyt": "dyt"}
+REFERENCE_KEYS = {"source", "metric", "configuration", "description", "recipe", "note", "bleu"}
+TABLE_KEYS = {"title", "pairs", "metric", "references"}
 SIGNIFICANCE_MARKS = ((0.01, "\u2021"), (0.05, "\u2020"))  # double dagger, dagger
 #: a BLEU whose hypotheses are this much shorter or longer than the references is flagged
 LENGTH_RATIO_RANGE = (0.5, 2.0)
 LENGTH_MARK = "\u00a7"  # section sign
 LEGEND = (
-    "Cells: our test BLEU (tokenized, multi-bleu.perl equivalent), the paper's number in "
-    "parentheses where the paper reports one; `-` no run. "
+    "Cells: our test score in the metric named under each table, the published number in "
+    "parentheses where configs/paper_results.json has one for a row of that configuration in that "
+    "metric (other published numbers are listed under the table, with the reason); `-` no run. "
+    "With several seeds a cell is the mean \u00b1 sample standard deviation over the seeds that "
+    "finished, and [k/n diverged] (failed, running) counts the others. "
     "\u2020 p < 0.05, \u2021 p < 0.01 against the table's baseline row (paired bootstrap "
-    "resampling, 1000 resamples). *diverged*, *failed*, *running*: the run's status, no score.")
+    "resampling, 1000 resamples, in the table's metric, over the concatenated test sets of the "
+    "seeds both rows finished; docs/evaluation.md). *diverged*, *failed*, *running*: the run's "
+    "status, no score.")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A published number set: ``bleu`` {pair: number} in ``metric`` (a key of :data:`METRICS`),
+    produced by ``configuration`` (attributes of :data:`CONFIGURATION_KEYS`; only those given are
+    compared), described in words by ``description``, from ``source``."""
+    table: str
+    source: str
+    metric: str
+    configuration: Dict[str, object]
+    bleu: Dict[str, float]
+    description: str = ""
+    recipe: str = ""
+    note: str = ""
+
+    def matches(self, configuration: Optional[dict]) -> bool:
+        """Whether a row of ``configuration`` (:func:`row_configuration`) is this configuration."""
+        return configuration is not None and all(configuration.get(key) == value
+                                                 for key, value in self.configuration.items())
 
 
 @contextlib.contextmanager
@@ -72,25 +142,139 @@ def write_text_atomic(path: str, text: str) -> None:
             f.write(text)
 
 
+def _check_keys(data, allowed, where: str) -> None:
+    if not isinstance(data, dict):
+        raise NormplugError(f"{where}: expected an object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise NormplugError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(allowed))}")
+
+
+def _check_metric(metric, where: str, choices: Sequence[str] = tuple(METRICS)) -> str:
+    if metric not in choices:
+        raise NormplugError(f"{where}: unknown metric {metric!r}; choose from {', '.join(choices)}")
+    return metric
+
+
+def _load_reference(table: str, spec: dict, data, where: str) -> Reference:
+    if isinstance(data, Reference):
+        return data
+    _check_keys(data, REFERENCE_KEYS, where)
+    for key in ("source", "metric", "configuration", "bleu"):
+        if key not in data:
+            raise NormplugError(f"{where}: missing key {key!r} (every published number records its "
+                                f"source, metric, configuration and numbers)")
+    _check_keys(data["configuration"], CONFIGURATION_KEYS, f"{where}: configuration")
+    if not data["configuration"]:
+        raise NormplugError(f"{where}: empty configuration; give some of {', '.join(CONFIGURATION_KEYS)}")
+    _check_keys(data["bleu"], spec.get("pairs", []), f"{where}: bleu (pairs of the table)")
+    for pair, value in data["bleu"].items():
+        if value is not None and not isinstance(value, (int, float)):
+            raise NormplugError(f"{where}: bleu {pair}={value!r} is not a number (null: unknown)")
+    configuration = dict(data["configuration"])
+    if configuration.get("stop_lr") is not None:
+        configuration["stop_lr"] = float(configuration["stop_lr"])
+    return Reference(table=table, source=data["source"], metric=_check_metric(data["metric"], where),
+                     configuration=configuration,
+                     bleu={pair: float(v) for pair, v in data["bleu"].items() if v is not None},
+                     description=data.get("description", ""), recipe=data.get("recipe", ""),
+                     note=data.get("note", ""))
+
+
 def load_paper_results(path: str = PAPER_RESULTS_PATH) -> dict:
-    """The paper's numbers: ``{"tables": {table: {"title": str, "pairs": [pair, ...],
-    "rows": {row name: {pair: BLEU or null}}}}}``."""
+    """The published numbers: ``{"tables": {table: {"title": str, "pairs": [pair, ...],
+    "metric": the cells' metric (default tokenized_bleu), "references": [Reference, ...]}}}``,
+    every reference checked (its metric, its configuration's attributes, its pairs)."""
     if not os.path.isfile(path):
         raise NormplugError(f"no such paper-results file: {path}")
     with open(path, encoding="utf-8") as f:
-        paper = json.load(f)
+        return checked_paper_results(json.load(f), path)
+
+
+def checked_paper_results(paper: dict, where: str = "paper results") -> dict:
+    """``paper`` (the contents of a configs/paper_results.json) checked, its references made
+    :class:`Reference` objects (in place; checking it again changes nothing)."""
     for table, spec in paper.get("tables", {}).items():
-        for row, numbers in spec.get("rows", {}).items():
-            unknown = set(numbers) - set(spec.get("pairs", []))
-            if unknown:
-                raise NormplugError(f"{path}: {table}/{row} has numbers for pairs "
-                                    f"{sorted(unknown)} not in the table's pairs")
+        where_table = f"{where}: {table}"
+        _check_keys(spec, TABLE_KEYS, where_table)
+        spec["metric"] = _check_metric(spec.get("metric", DEFAULT_METRIC), f"{where_table}: cell metric",
+                                       CELL_METRICS)
+        spec["references"] = [_load_reference(table, spec, data, f"{where_table}: reference {index + 1}")
+                              for index, data in enumerate(spec.get("references", []))]
     return paper
 
 
-def paper_bleu(paper: dict, table: str, row: str, pair: str) -> Optional[float]:
-    """The paper's BLEU for one cell, None where the paper (as we have it) has no number."""
-    return paper.get("tables", {}).get(table, {}).get("rows", {}).get(row, {}).get(pair)
+def cell_metric(paper: dict, table: str) -> str:
+    """The metric of ``table``'s cells: its ``metric`` in configs/paper_results.json, else tokenized BLEU."""
+    return paper.get("tables", {}).get(table, {}).get("metric", DEFAULT_METRIC)
+
+
+def references(paper: dict, table: str) -> List[Reference]:
+    return list(paper.get("tables", {}).get(table, {}).get("references", []))
+
+
+def config_string(flags: Sequence[str], schedule: str) -> str:
+    """A result row's ``config``: the row's model (and train) flags, then ``schedule=NAME``."""
+    return " ".join([*flags, f"schedule={schedule}"])
+
+
+def _parse_flags(tokens: Sequence[str]) -> Dict[str, object]:
+    flags: Dict[str, object] = {}
+    for i, token in enumerate(tokens):
+        if not token.startswith("--"):
+            continue
+        if "=" in token:
+            name, value = token.split("=", 1)
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            name, value = token, tokens[i + 1]
+        else:
+            name, value = token, True
+        flags[name] = value  # the last occurrence wins, as in argparse
+    return flags
+
+
+def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
+    """The attributes of :data:`CONFIGURATION_KEYS` of a :func:`config_string`; None for a
+    ``config`` without ``schedule=`` (not written by the runner: it matches no published number)."""
+    tokens = (config or "").split()
+    schedules = [token.split("=", 1)[1] for token in tokens if token.startswith("schedule=")]
+    if not schedules:
+        return None
+    flags = _parse_flags([token for token in tokens if not token.startswith("schedule=")])
+    norm = flags.get("--norm-type")
+    if norm is None:
+        norm = next((name for flag, name in NORM_SHORTHANDS.items() if flag in flags), "layernorm")
+    init = flags.get("--weight-init") or ("smallinit" if "--smallinit" in flags else "fairseq")
+    encoder, decoder = flags.get("--encoder-layers"), flags.get("--decoder-layers")
+    try:
+        stop_lr = float(flags.get("--stop-lr", DEFAULT_STOP_LR))
+    except ValueError:
+        stop_lr = None
+    return {"placement": "prenorm" if "--prenorm" in flags else "postnorm", "norm": norm,
+            "fixnorm": "--fixnorm" in flags, "qknorm": "--qknorm" in flags, "init": init,
+            "residual_scale": flags.get("--residual-scale", "none"),
+            "layers": None if encoder is None and decoder is None else f"{encoder or '?'}/{decoder or '?'}",
+            "schedule": schedules[-1], "stop_lr": stop_lr}
+
+
+def matching_reference(paper: dict, table: str, config: Optional[str], pair: str) -> Optional[Reference]:
+    """The published number to show beside a row of ``config`` on ``pair``: a reference of
+    ``table`` with a number for ``pair``, in the table's cell metric, whose configuration is the
+    row's. None when there is none (a number of another configuration or metric is never shown
+    beside a row)."""
+    configuration = row_configuration(config)
+    metric = cell_metric(paper, table)
+    for reference in references(paper, table):
+        if pair in reference.bleu and reference.metric == metric and reference.matches(configuration):
+            return reference
+    return None
+
+
+def paper_bleu(paper: dict, table: str, config: Optional[str], pair: str) -> Optional[float]:
+    """The published number beside a row of ``config`` (:func:`config_string`) on ``pair``,
+    None where there is none (see :func:`matching_reference`)."""
+    reference = matching_reference(paper, table, config, pair)
+    return None if reference is None else reference.bleu[pair]
 
 
 def _convert(field: str, value):
@@ -103,8 +287,8 @@ def _convert(field: str, value):
 
 
 def normalize_row(row: dict, paper: Optional[dict] = None) -> dict:
-    """A checked copy of ``row`` with every key of :data:`FIELDS` (missing ones None),
-    numbers converted, and ``paper_bleu`` looked up in ``paper`` when not given."""
+    """A checked copy of ``row`` with every key of :data:`FIELDS` (missing ones None, ``seed``
+    1), numbers converted, and ``paper_bleu`` looked up in ``paper`` when not given."""
     unknown = set(row) - set(FIELDS)
     if unknown:
         raise NormplugError(f"unknown result field(s) {sorted(unknown)}; fields are {', '.join(FIELDS)}")
@@ -114,17 +298,20 @@ def normalize_row(row: dict, paper: Optional[dict] = None) -> dict:
     out = {field: row.get(field) for field in FIELDS}
     for field in FLOAT_FIELDS + INT_FIELDS:
         out[field] = _convert(field, out[field])
+    if out["seed"] is None:
+        out["seed"] = DEFAULT_SEED
     if out["status"] not in STATUSES:
         raise NormplugError(f"unknown status {out['status']!r}; choose from {', '.join(STATUSES)}")
     if out["status"] == "ok" and out["tokenized_bleu"] is None:
         raise NormplugError(f"status ok but no tokenized_bleu for {out['table']}/{out['row']}/{out['pair']}")
     if out["paper_bleu"] is None and paper is not None:
-        out["paper_bleu"] = paper_bleu(paper, out["table"], out["row"], out["pair"])
+        out["paper_bleu"] = paper_bleu(paper, out["table"], out["config"], out["pair"])
     return out
 
 
 def render_csv(rows: Sequence[dict]) -> str:
-    """results.csv: a header of :data:`FIELDS`, one line per normalized row, None as empty."""
+    """results.csv: a header of :data:`FIELDS`, one line per normalized row (one per seed),
+    None as empty."""
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=FIELDS, lineterminator="\n")
     writer.writeheader()
@@ -134,7 +321,8 @@ def render_csv(rows: Sequence[dict]) -> str:
 
 
 def read_results_csv(path: str) -> List[dict]:
-    """Rows of a results.csv written by :func:`write_results` (e.g. to update and rewrite it)."""
+    """Rows of a results.csv written by :func:`write_results` (e.g. to update and rewrite it);
+    a CSV written before seeds existed reads as seed 1."""
     if not os.path.isfile(path):
         raise NormplugError(f"no such results file: {path}")
     with open(path, encoding="utf-8", newline="") as f:
@@ -156,13 +344,23 @@ def length_mark(ratio: Optional[float]) -> str:
     return LENGTH_MARK if ratio is not None and not low <= ratio <= high else ""
 
 
+def _several_seeds(rows: Sequence[dict]) -> bool:
+    return any(row["seed"] != DEFAULT_SEED for row in rows)
+
+
+def _run_name(row: dict, seeds: bool) -> str:
+    seed = f", seed {row['seed']}" if seeds else ""
+    return f"{row['row']} ({row['table']}, {row['pair']}{seed})"
+
+
 def _length_note(rows: Sequence[dict]) -> List[str]:
     """The footnote of :data:`LENGTH_MARK`, naming each flagged run and its ratio."""
     flagged = [r for r in rows if r["tokenized_bleu"] is not None and length_mark(r["length_ratio"])]
     if not flagged:
         return []
     low, high = LENGTH_RATIO_RANGE
-    ratios = "; ".join(f"{r['row']} ({r['table']}, {r['pair']}): {r['length_ratio']:.2f}" for r in flagged)
+    seeds = _several_seeds(rows)
+    ratios = "; ".join(f"{_run_name(r, seeds)}: {r['length_ratio']:.2f}" for r in flagged)
     return [f"{LENGTH_MARK} test hypotheses far shorter or longer than the references (hypothesis/"
             f"reference token-length ratio outside {low:g}-{high:g}): such a BLEU mostly measures "
             f"truncated or run-on output, not translation quality. Ratios: {ratios}.", ""]
@@ -180,14 +378,34 @@ def _num(value: Optional[float], digits: int = 2) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def _cell(run: Optional[dict], paper_number: Optional[float]) -> str:
-    if run is None:
+def _mean_sd(values: Sequence[float]) -> str:
+    """``x.xx`` for one value, ``mean \u00b1 sd`` (sample standard deviation) for several."""
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.fmean(values):.2f} \u00b1 {statistics.stdev(values):.2f}"
+
+
+def _status_counts(runs: Sequence[dict]) -> str:
+    """``1/3 diverged, 1/3 running``: the seeds of a cell that did not finish, by status."""
+    counts = [(status, sum(run["status"] == status for run in runs)) for status in STATUSES[1:]]
+    return ", ".join(f"{count}/{len(runs)} {status}" for status, count in counts if count)
+
+
+def _cell(runs: Sequence[dict], metric: str, paper_number: Optional[float]) -> str:
+    """One cell: the seeds of a (row, pair) in ``metric``, with the published number."""
+    finished = [run for run in runs if run["status"] == "ok"]
+    if not runs:
         ours = "-"
-    elif run["status"] == "ok":
-        ours = (f"{run['tokenized_bleu']:.2f}{significance_mark(run['p_value'])}"
-                f"{length_mark(run['length_ratio'])}")
+    elif not finished:
+        ours = f"*{runs[0]['status']}*" if len(runs) == 1 else f"*{_status_counts(runs)}*"
     else:
-        ours = f"*{run['status']}*"
+        values = [run[metric] for run in finished if run[metric] is not None]
+        p_value = next((run["p_value"] for run in finished if run["p_value"] is not None), None)
+        flagged = any(length_mark(run["length_ratio"]) for run in finished)
+        ours = (f"{_mean_sd(values)}{significance_mark(p_value)}{LENGTH_MARK if flagged else ''}"
+                if values else "n/a")
+        if len(finished) < len(runs):
+            ours += f" [{_status_counts(runs)}]"
     return ours if paper_number is None else f"{ours} ({paper_number:.2f})"
 
 
@@ -198,46 +416,110 @@ def _ordered(first: Sequence[str], seen: Sequence[str]) -> List[str]:
     return [name for name in first if name in present] + rest
 
 
+def _cells(table: str, runs: Sequence[dict]) -> Dict[Tuple[str, str], List[dict]]:
+    """{(row, pair): its runs, one per seed}; two results for one seed are an error."""
+    cells: Dict[Tuple[str, str], List[dict]] = {}
+    for run in runs:
+        cell = cells.setdefault((run["row"], run["pair"]), [])
+        twin = next((other for other in cell if other["seed"] == run["seed"]), None)
+        if twin is not None:
+            seed = f" seed {run['seed']}" if run["seed"] != DEFAULT_SEED else ""
+            raise NormplugError(f"two results for {table} row {run['row']!r} pair {run['pair']!r}{seed} "
+                                f"(configs {twin['config']!r}, {run['config']!r})")
+        cell.append(run)
+    return cells
+
+
+def _ours_in(runs: Sequence[dict], metric: str) -> Optional[str]:
+    values = [run[metric] for run in runs if run["status"] == "ok" and run.get(metric) is not None]
+    return _mean_sd(values) if values else None
+
+
+def _unshown_references(table: str, runs: Sequence[dict], pairs: Sequence[str], paper: dict) -> List[str]:
+    """Lines naming every published number of ``table`` (for the pairs shown) that no cell shows,
+    and why: another metric than the cells', or no row of its configuration."""
+    metric = cell_metric(paper, table)
+    configs = {run["row"]: run["config"] for run in runs}
+    lines = []
+    for reference in references(paper, table):
+        shown_pairs = [pair for pair in pairs if pair in reference.bleu]
+        same = [row for row, config in configs.items() if reference.matches(row_configuration(config))]
+        if not shown_pairs or (same and reference.metric == metric):
+            continue
+        numbers = ", ".join(f"{_pair_label(pair)} {reference.bleu[pair]:.2f}" for pair in shown_pairs)
+        what = reference.description or ", ".join(f"{k} {v}" for k, v in reference.configuration.items())
+        reasons = []
+        if not same:
+            reasons.append("different configuration: no row here has it")
+        if reference.metric != metric:
+            reasons.append(f"different metric: the cells are {METRICS[metric].split(' (')[0]}")
+        ours = []
+        for row in same:
+            for pair in shown_pairs:
+                value = _ours_in([r for r in runs if r["row"] == row and r["pair"] == pair], reference.metric)
+                if value is not None:
+                    ours.append(f"{row} ({_pair_label(pair)}) {value}")
+        if ours:
+            reasons.append(f"ours in that metric: {'; '.join(ours)}")
+        lines.append(f"* {numbers}, {METRICS[reference.metric]}; {reference.source}; configuration: {what}. "
+                     f"Not beside a row: {'; '.join(reasons)}.")
+    if not lines:
+        return []
+    return ["Published numbers not beside a row (configs/paper_results.json):", ""] + lines + [""]
+
+
 def _table_section(table: str, runs: List[dict], paper: dict) -> List[str]:
     spec = paper.get("tables", {}).get(table, {})
+    metric = cell_metric(paper, table)
     pairs = _ordered(spec.get("pairs", []), [run["pair"] for run in runs])
-    row_ids = _ordered(list(spec.get("rows", {})), [run["row"] for run in runs])
-    cells: Dict[Tuple[str, str], dict] = {}
-    for run in runs:
-        key = (run["row"], run["pair"])
-        if key in cells:
-            raise NormplugError(f"two results for {table} row {run['row']!r} pair {run['pair']!r} "
-                                f"(configs {cells[key]['config']!r}, {run['config']!r})")
-        cells[key] = run
-    lines = [f"## {_md(spec.get('title', table))}", "",
+    row_ids = list(dict.fromkeys(run["row"] for run in runs))
+    cells = _cells(table, runs)
+    configs = {run["row"]: run["config"] for run in runs}
+    lines = [f"## {_md(spec.get('title', table))}", "", f"Cells: {METRICS[metric]}.", "",
              "| | " + " | ".join(_pair_label(p) for p in pairs) + " |",
              "|---|" + "---:|" * len(pairs)]
     for row_id in row_ids:
         row_cells = []
         for pair in pairs:
-            run = cells.get((row_id, pair))
-            number = run["paper_bleu"] if run else paper_bleu(paper, table, row_id, pair)
-            row_cells.append(_cell(run, number))
+            cell = cells.get((row_id, pair), [])
+            explicit = next((run["paper_bleu"] for run in cell if run["paper_bleu"] is not None), None)
+            number = explicit if explicit is not None else paper_bleu(paper, table, configs[row_id], pair)
+            row_cells.append(_cell(cell, metric, number))
         lines.append(f"| {_md(row_id)} | " + " | ".join(_md(c) for c in row_cells) + " |")
-    return lines + [""]
+    return lines + [""] + _unshown_references(table, runs, pairs, paper)
 
 
-def _runs_section(rows: List[dict]) -> List[str]:
+def _extra_metrics(rows: Sequence[dict], paper: dict) -> List[str]:
+    """Metrics the runs list shows beside tokenized BLEU and sacreBLEU: each table's cell
+    metric and the metrics of its published numbers."""
+    tables = list(dict.fromkeys(row["table"] for row in rows))
+    wanted = [cell_metric(paper, table) for table in tables]
+    wanted += [reference.metric for table in tables for reference in references(paper, table)]
+    return [metric for metric in METRICS if metric in wanted and metric not in ("tokenized_bleu", "sacrebleu")]
+
+
+def _runs_section(rows: List[dict], paper: dict) -> List[str]:
     signatures = list(dict.fromkeys(r["sacrebleu_signature"] for r in rows if r["sacrebleu_signature"]))
-    lines = ["## Runs", "",
-             "Selected: the update of the tested checkpoint (best dev BLEU); dev BLEU and test BLEU "
-             "are both tokenized BLEU of that checkpoint with the same decoder.", "",
-             "| table | row | config | pair | status | updates | minutes | selected | dev BLEU | BLEU | sacreBLEU | p |",
-             "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    seeds = _several_seeds(rows)
+    extra = _extra_metrics(rows, paper)
+    intro = ("Selected: the update of the tested checkpoint (best dev BLEU); dev BLEU and test BLEU "
+             "are both tokenized BLEU of that checkpoint with the same decoder.")
+    if seeds:
+        intro += " One line per seed; p is the cell's, over all its seeds."
+    head = ["table", "row", "config", "pair"] + (["seed"] if seeds else []) + [
+        "status", "updates", "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU"] + [
+        METRIC_COLUMNS[m] for m in extra] + ["p"]
+    align = ["---"] * (5 if seeds else 4) + ["---"] + ["---:"] * (len(head) - (6 if seeds else 5))
+    lines = ["## Runs", "", intro, "", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     for r in rows:
         sacre, bleu = _num(r["sacrebleu"]), _num(r["tokenized_bleu"])
         bleu += length_mark(r["length_ratio"]) if bleu else ""
         if sacre and len(signatures) > 1:
             sacre += f" [{signatures.index(r['sacrebleu_signature']) + 1}]"
-        values = [r["table"], r["row"], r["config"], r["pair"], r["status"],
-                  "" if r["updates"] is None else r["updates"], _num(r["minutes"], 1),
-                  "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
-                  bleu, sacre, "" if r["p_value"] is None else f"{r['p_value']:.3g}"]
+        values = [r["table"], r["row"], r["config"], r["pair"]] + ([r["seed"]] if seeds else []) + [
+            r["status"], "" if r["updates"] is None else r["updates"], _num(r["minutes"], 1),
+            "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
+            bleu, sacre] + [_num(r[m]) for m in extra] + ["" if r["p_value"] is None else f"{r['p_value']:.3g}"]
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")
     if len(signatures) == 1:
@@ -249,17 +531,18 @@ def _runs_section(rows: List[dict]) -> List[str]:
 
 def render_markdown(rows: Sequence[dict], paper: dict, title: str = "Results") -> str:
     """The Markdown report of normalized ``rows``: one section per paper table, then every run."""
+    paper = checked_paper_results(paper)
     lines = [f"# {title}", "", LEGEND, ""] + _length_note(rows)
     for table in dict.fromkeys(row["table"] for row in rows):
         lines += _table_section(table, [row for row in rows if row["table"] == table], paper)
-    return "\n".join(lines + _runs_section(list(rows)))
+    return "\n".join(lines + _runs_section(list(rows), paper))
 
 
 def write_results(rows: Sequence[dict], out_dir: str, paper: Optional[dict] = None,
                   title: str = "Results") -> Tuple[str, str]:
     """Write ``out_dir/results.csv`` and ``out_dir/results.md`` (headed ``title``)
     atomically; return their paths. ``paper`` defaults to configs/paper_results.json."""
-    paper = load_paper_results() if paper is None else paper
+    paper = load_paper_results() if paper is None else checked_paper_results(paper)
     normalized = [normalize_row(row, paper) for row in rows]
     csv_path, md_path = os.path.join(out_dir, "results.csv"), os.path.join(out_dir, "results.md")
     markdown = render_markdown(normalized, paper, title)
