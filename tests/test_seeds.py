@@ -79,8 +79,10 @@ def test_seed_two_flips_the_significance(demo_runs):
     assert p_seed1 < 0.01  # seed 1 alone: the system is better
     assert [r["seed"] for r in system] == [1, 2] and system[0]["p_value"] == system[1]["p_value"] > 0.05
     # it is the bootstrap over the concatenated test sets of both seeds, seed k against seed k
-    pooled = bleu.paired_bootstrap(hypotheses(15) + hypotheses(15), hypotheses(30) + hypotheses(2), REFS * 2)
+    pooled = bleu.paired_bootstrap_seeds([hypotheses(15), hypotheses(15)], [hypotheses(30), hypotheses(2)], REFS)
     assert system[0]["p_value"] == pooled.p_value
+    assert pooled.baseline_score == bleu.tokenized_bleu(hypotheses(15) * 2, REFS * 2).score
+    assert pooled.system_score == bleu.tokenized_bleu(hypotheses(30) + hypotheses(2), REFS * 2).score
     assert all(r["p_value"] is None for r in rows if r["row"] == BASE)
 
 
@@ -166,6 +168,20 @@ def test_figure_logs_group_the_seeds_of_a_row(demo_runs):
     assert logs == {BASE: [runs[(BASE, 1)].path("train.log"), runs[(BASE, 2)].path("train.log")],
                     SYSTEM: [runs[(SYSTEM, 1)].path("train.log"), runs[(SYSTEM, 2)].path("train.log")]}
     assert list(figure_logs([runs[(BASE, 1)]], ["src-tgt", "xx-yy"])) == [f"{BASE} (src-tgt)"]
+
+
+def test_copies_of_one_seed_are_no_more_evidence_than_that_seed():
+    """Source sentences are resampled with all their seeds' translations: three identical seeds
+    give exactly the one-seed p-value; resampling the 3 x 40 concatenated sentences as if
+    independent (uniform) would make the same evidence look far more significant."""
+    base, system = hypotheses(15), hypotheses(17)
+    one = bleu.paired_bootstrap_seeds([base], [system], REFS)
+    assert one == bleu.paired_bootstrap(base, system, REFS)  # sacreBLEU's test, to the last digit
+    three = bleu.paired_bootstrap_seeds([base] * 3, [system] * 3, REFS)
+    assert three.p_value == one.p_value and three.system_score == pytest.approx(one.system_score)
+    assert "training_seeds:3" in three.signature
+    uniform = bleu.paired_bootstrap(base * 3, system * 3, REFS * 3)
+    assert uniform.p_value < one.p_value / 5
 
 
 def test_bootstrap_over_seeds_and_in_other_metrics():

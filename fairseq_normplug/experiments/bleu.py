@@ -11,7 +11,8 @@
   no smoothing) on the same tokenized lines, as QKNorm's authors scored their 33.24 en-vi.
 * :func:`paired_bootstrap`: p-value of a system against a baseline (sacreBLEU's paired
   bootstrap resampling, Koehn 2004) in any metric of :data:`METRIC_SCORERS`;
-  :func:`paired_bootstrap_seeds` the same over the concatenated test sets of several seeds.
+  :func:`paired_bootstrap_seeds` the same over the concatenated test sets of several seeds
+  (source sentences resampled with all their seeds' translations).
 * :func:`read_fairseq_generate`: hypotheses and references of a ``fairseq-generate`` output.
 * :func:`score_translation`: all of the above for one system, as a dict (also the CLI)::
 
@@ -30,8 +31,9 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 from sacrebleu.metrics import BLEU
-from sacrebleu.significance import PairedTest
+from sacrebleu.significance import PairedTest, _compute_p_value, estimate_ci
 from sacremoses import MosesDetokenizer
 
 from fairseq_normplug.errors import NormplugError
@@ -235,23 +237,57 @@ def paired_bootstrap(baseline_hyps: Sequence[str], system_hyps: Sequence[str],
                            n_samples=n_samples, seed=seed, signature=str(signatures["BLEU"]))
 
 
+def _sentence_statistics(metric: BLEU, by_seed: Sequence[Sequence[str]], refs: Sequence[str]) -> List[List[int]]:
+    """Per source sentence, the BLEU sufficient statistics summed over the seeds' translations."""
+    per_seed = [metric._extract_corpus_statistics(list(hyps), [list(refs)]) for hyps in by_seed]
+    return [[sum(values) for values in zip(*sentence)] for sentence in zip(*per_seed)]
+
+
 def paired_bootstrap_seeds(baseline_by_seed: Sequence[Sequence[str]], system_by_seed: Sequence[Sequence[str]],
                            refs: Sequence[str], n_samples: int = 1000, seed: int = 12345,
                            metric: str = "tokenized_bleu") -> BootstrapResult:
-    """:func:`paired_bootstrap` over the concatenated test sets of several training seeds:
-    block k of the concatenation holds the baseline's and the system's translations of
-    training seed k (seeds paired by their number, in the order given), every block scored
-    against ``refs``. One seed gives exactly :func:`paired_bootstrap`. docs/evaluation.md
-    says why this test and what it cannot tell with few seeds."""
+    """Paired bootstrap resampling of ``metric`` over the concatenated test sets of several
+    training seeds. Each system's score is the corpus BLEU of all its seeds' translations
+    together (the concatenation, seed k of the baseline paired with seed k of the system, in
+    the order given). A resample draws source sentences with replacement and takes every
+    seed's translation of each drawn sentence, for both systems: the translations of one
+    sentence by different seeds are correlated (the sentence is as hard for each), so they are
+    resampled as one unit, not as independent sentences. The p-value, the zero-difference rule
+    and the RNG are those of :func:`paired_bootstrap` (sacreBLEU's test, here run on
+    per-sentence statistics summed over seeds): one seed gives exactly :func:`paired_bootstrap`.
+    docs/evaluation.md says why this test and what it cannot tell with few seeds."""
     if not system_by_seed or len(baseline_by_seed) != len(system_by_seed):
         raise NormplugError(f"paired bootstrap over seeds needs the same number (>= 1) of baseline and "
                             f"system seeds, got {len(baseline_by_seed)} and {len(system_by_seed)}")
     for baseline_hyps, system_hyps in zip(baseline_by_seed, system_by_seed):
         _check_parallel(baseline_hyps, refs, "baseline hypotheses")
         _check_parallel(system_hyps, refs, "system hypotheses")
-    return paired_bootstrap([h for hyps in baseline_by_seed for h in hyps],
-                            [h for hyps in system_by_seed for h in hyps],
-                            list(refs) * len(system_by_seed), n_samples, seed, metric)
+    if seed <= 0:
+        raise NormplugError(f"bootstrap seed must be a positive integer, got {seed}")
+    scorer = _scorer(metric)
+    bleu = scorer.metric()
+    refs = scorer.prepare(refs)
+    stats = [_sentence_statistics(bleu, [scorer.prepare(hyps) for hyps in by_seed], refs)
+             for by_seed in (baseline_by_seed, system_by_seed)]
+    baseline_score, system_score = (bleu._aggregate_and_compute(s).score for s in stats)
+    # as sacreBLEU's _paired_bs_test: float32 statistics, the same index draws for both systems
+    indices = np.random.default_rng(seed).choice(len(refs), size=(n_samples, len(refs)), replace=True)
+    baseline_stats, system_stats = (np.array(s, dtype="float32") for s in stats)
+    resampled_baseline = np.array([bleu._compute_score_from_stats(sample.sum(0)).score
+                                   for sample in baseline_stats[indices]])
+    resampled_system = np.array([bleu._compute_score_from_stats(sample.sum(0)).score
+                                 for sample in system_stats[indices]])
+    differences = np.abs(resampled_system - resampled_baseline)
+    p_value = 1.0 if system_score == baseline_score else float(
+        _compute_p_value(differences - differences.mean(), abs(baseline_score - system_score)))
+    system_mean, system_ci = estimate_ci(resampled_system)
+    signature = bleu.get_signature()
+    signature.update("seed", str(seed))
+    signature.update("bs", n_samples)
+    return BootstrapResult(p_value=p_value, baseline_score=baseline_score, system_score=system_score,
+                           system_mean=float(system_mean), system_ci=float(system_ci), n_samples=n_samples,
+                           seed=seed, signature=str(signature) + (
+                               f"|training_seeds:{len(system_by_seed)}" if len(system_by_seed) > 1 else ""))
 
 
 def _missing_ids(ids, expected: int) -> List[int]:

@@ -31,12 +31,11 @@ import contextlib
 import csv
 import io
 import json
-import math
 import os
 import re
 import statistics
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from fairseq_normplug.errors import NormplugError
@@ -94,8 +93,8 @@ LEGEND = (
     "finished, and [k/n diverged] (failed, running) counts the others. "
     "\u2020 p < 0.05, \u2021 p < 0.01 against the table's baseline row (paired bootstrap "
     "resampling, 1000 resamples, in the table's metric, over the concatenated test sets of the "
-    "seeds both rows finished; docs/evaluation.md). *diverged*, *failed*, *running*: the run's "
-    "status, no score.")
+    "seeds both rows finished, each source sentence resampled with all its seeds' translations; "
+    "docs/evaluation.md). *diverged*, *failed*, *running*: the run's status, no score.")
 
 
 @dataclass(frozen=True)
