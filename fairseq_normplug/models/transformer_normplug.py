@@ -93,7 +93,7 @@ class TransformerNormplugModel(TransformerModel):
         if beyond.embed_scale == "learnable":
             make_embed_scale_learnable(model)
         model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
-        model.auto_scale_init = AutoScaleInit(named_norms(model))
+        model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         return model
 
     def load_state_dict(self, state_dict, *args, **kwargs):
