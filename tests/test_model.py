@@ -140,7 +140,8 @@ def norm_inputs(model, *batch):
 
 @pytest.mark.parametrize("flags,param,expected", [
     (["--dyt", "--dyt-alpha-init", "auto"], "alpha", lambda rows: 1 / rows.double().std(unbiased=False)),
-    (["--norm-type", "dyisru", "--dyisru-beta-init", "auto"], "beta", lambda rows: 63 * rows.double().pow(2).mean()),
+    (["--norm-type", "dyisru", "--dyisru-beta-init", "auto"], "beta",
+     lambda rows: 63 * rows.double().pow(2).mean()),
 ], ids=["dyt", "dyisru"])
 def test_auto_init_ignores_padding(tiny_bin, flags, param, expected):
     """A padded batch (left-padded source, right-padded decoder input) gives every norm the

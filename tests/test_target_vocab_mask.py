@@ -194,7 +194,8 @@ def test_fp16_training_then_decoding_from_a_folder_without_training_data(tiny_bi
         if name.startswith(("dict.", "valid.")):
             shutil.copy(os.path.join(tiny_bin, name), decode_dir / name)
     proc = run_cli([cli("fairseq-generate"), str(decode_dir), "--user-dir", USER_DIR,
-                    "--task", "translation_normplug", "--gnmt-alpha", "0.6", "--path", str(save_dir / "checkpoint_last.pt"),
+                    "--task", "translation_normplug", "--gnmt-alpha", "0.6",
+                    "--path", str(save_dir / "checkpoint_last.pt"),
                     "--fp16", "--cpu", "--beam", "3", "--max-sentences", "50", "--gen-subset", "valid",
                     "--max-len-a", "0", "--max-len-b", "12", "--required-batch-size-multiple", "1"],
                    timeout=300, env={"NORMPLUG_COMPILE": "0"})

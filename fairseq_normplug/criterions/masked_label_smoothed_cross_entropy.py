@@ -62,5 +62,6 @@ class MaskedLabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterio
         if mask is None:
             return super().compute_loss(model, net_output, sample, reduce=reduce)
         lprobs, target = self.get_lprobs_and_target(model, net_output, sample)
-        return masked_label_smoothed_nll_loss(lprobs, target, self.eps, mask.allowed, ignore_index=self.padding_idx,
-                                              reduce=reduce, num_allowed=mask.num_allowed)
+        return masked_label_smoothed_nll_loss(lprobs, target, self.eps, mask.allowed,
+                                              ignore_index=self.padding_idx, reduce=reduce,
+                                              num_allowed=mask.num_allowed)
