@@ -5,7 +5,8 @@ as a fairseq user-dir plugin.
 Load it with ``fairseq-train --user-dir fairseq_normplug`` (from the repository root) or
 ``--user-dir "$(fairseq-normplug-path)"`` after ``pip install``. Importing the package
 registers the ``transformer_normplug`` model with its presets, the ``inv_sqrt_decay`` /
-``val_decay`` learning-rate schedulers and the ``translation_normplug`` task, and allow-lists the classes fairseq checkpoints
+``val_decay`` learning-rate schedulers, the ``translation_normplug`` task and the
+``masked_label_smoothed_cross_entropy`` criterion, and allow-lists the classes fairseq checkpoints
 hold so that they load under torch >= 2.6's ``weights_only`` default.
 """
 from fairseq_normplug.install_plan import check_requirements
@@ -21,6 +22,7 @@ install_one_line_errors()
 from fairseq_normplug import models  # noqa: E402,F401  (registers the model)
 from fairseq_normplug import optim  # noqa: E402,F401  (registers the LR schedulers)
 from fairseq_normplug import tasks  # noqa: E402,F401  (registers the translation_normplug task)
+from fairseq_normplug import criterions  # noqa: E402,F401  (registers masked_label_smoothed_cross_entropy)
 
 __all__ = ["NormplugError"]
 __version__ = "0.1.0"

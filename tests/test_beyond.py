@@ -320,13 +320,21 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
     from fairseq_normplug.experiments.tables import config_string, load_paper_results, paper_bleu
 
     table = load_table("beyond")
-    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 9 + 12
+    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 11 + 12
     final = table.row("PreNorm + FixNorm + ScaleNorm + NoWarmup")
     assert final.model == ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"]
-    assert {row.schedule for row in table.rows} == {"no_warmup"}
-    # QKNorm's published 33.24 is FixNorm + LayerNorm + ValDecay, multi-bleu-detok (configs/paper_results.json)
+    authors = [row for row in table.rows if row.schedule != "no_warmup"]  # QKNorm's authors' configuration
+    assert [row.name for row in authors] == ["PreNorm + FixNorm + LayerNorm + ValDecay (stop lr 1e-5)",
+                                             "PreNorm + FixNorm + LayerNorm + ValDecay (stop lr 1e-5) + QKNorm"]
+    assert all(row.schedule == "val_decay" and row.train == ["--stop-lr", "1e-5"] for row in authors)
+    assert authors[1].model == authors[0].model + ["--qknorm"] and authors[1].baseline == authors[0].name
+    # QKNorm's published 33.24 is FixNorm + LayerNorm + ValDecay, multi-bleu-detok (configs/paper_results.json):
+    # never a cell beside the ScaleNorm row, and not beside its own configuration's row either (other metric)
     qknorm = table.row(final.name + " + QKNorm")
     assert paper_bleu(load_paper_results(), "beyond", config_string(qknorm.model, qknorm.schedule), "en-vi") is None
+    own = authors[1]
+    assert paper_bleu(load_paper_results(), "beyond", config_string(own.model + own.train, own.schedule),
+                      "en-vi") is None
     for depth in (6, 12, 18):
         assert table.row(f"PostNorm + DeepNorm {depth} layers").model[-1] == str(depth)
 

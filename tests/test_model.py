@@ -125,6 +125,48 @@ def test_auto_init_from_the_first_training_batch(tiny_bin, flags, param, expecte
     assert before == {name: getattr(norm, param).item() for name, norm in named_norms(model).items()}
 
 
+def norm_inputs(model, *batch):
+    """{norm name: its input} of one training forward of ``model`` on ``batch``."""
+    seen, handles = {}, []
+    for name, norm in named_norms(model).items():
+        handles.append(norm.register_forward_pre_hook(
+            lambda module, inputs, name=name: seen.__setitem__(name, inputs[0].detach().clone())))
+    model.train()
+    model(*batch)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("flags,param,expected", [
+    (["--dyt", "--dyt-alpha-init", "auto"], "alpha", lambda rows: 1 / rows.double().std(unbiased=False)),
+    (["--norm-type", "dyisru", "--dyisru-beta-init", "auto"], "beta",
+     lambda rows: 63 * rows.double().pow(2).mean()),
+], ids=["dyt", "dyisru"])
+def test_auto_init_ignores_padding(tiny_bin, flags, param, expected):
+    """A padded batch (left-padded source, right-padded decoder input) gives every norm the
+    value its sentences give unpadded: each sentence alone through the initialised model
+    (dropout off) reproduces the real-token inputs the norms saw, and the values are the
+    moments of exactly those rows."""
+    model, task, _ = build(tiny_bin, TINY, "--prenorm", *flags, "--dropout", "0")
+    pad = task.target_dictionary.pad()
+    src, _, prev = toy_batch(task, batch=3, length=10)
+    src_lengths, prev_lengths = [10, 3, 6], [10, 2, 5]
+    for i, (n_src, n_prev) in enumerate(zip(src_lengths, prev_lengths)):
+        src[i, :10 - n_src] = pad  # fairseq's left-padded source
+        prev[i, n_prev:] = pad  # right-padded decoder input
+    norm_inputs(model, src, torch.tensor(src_lengths), prev)  # the auto init happens here
+    assert not model.auto_scale_init.waiting
+    rows = {}
+    for i, (n_src, n_prev) in enumerate(zip(src_lengths, prev_lengths)):
+        alone = norm_inputs(model, src[i:i + 1, 10 - n_src:], torch.tensor([n_src]), prev[i:i + 1, :n_prev])
+        for name, x in alone.items():
+            rows.setdefault(name, []).append(x.reshape(-1, x.size(-1)))
+    for name, norm in named_norms(model).items():
+        value = expected(torch.cat(rows[name])).item()
+        assert getattr(norm, param).item() == pytest.approx(value, rel=1e-4), name
+
+
 def test_frozen_alpha_stays_at_the_auto_value(tiny_bin):
     model, task, _ = build(tiny_bin, TINY, "--dyt", "--dyt-alpha-init", "auto", "--dyt-freeze-alpha")
     inputs = first_training_forward(model, task)

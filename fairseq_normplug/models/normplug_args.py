@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
+from fairseq_normplug.models.output_layer_args import (
+    OutputLayerSettings,
+    add_output_layer_args,
+    resolve_output_layer_args,
+)
 from fairseq_normplug.modules.derf import DERF_DEFAULT_ALPHA
 from fairseq_normplug.modules.norm_registry import AUTO, DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
@@ -108,6 +113,7 @@ def add_normplug_args(parser) -> None:
     add("--norm-stats-interval", type=int, metavar="N",
         help="every N updates, log each norm's scale (ScaleNorm g, DyT alpha, mean gain) and "
              "its input std into the training log (0 = off, the default)")
+    add_output_layer_args(add)
     add_beyond_args(add)
 
 
@@ -119,6 +125,7 @@ class NormplugSettings:
     weight_init: str
     norm_stats_interval: int
     beyond: BeyondSettings
+    output: OutputLayerSettings
 
 
 def _flag(name: str) -> str:
@@ -190,7 +197,7 @@ def bf16_without_tpu(args) -> None:
 
 
 def _tie_output_layer_for_fixnorm(args) -> None:
-    """FixNorm is defined on the tied output layer (Tears eq. 10), so ``--fixnorm`` implies
+    """FixNorm is defined on the tied output layer (Tears eq. 6), so ``--fixnorm`` implies
     ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output layer
     (the sharing flags are store_true), so there is no explicit request to refuse."""
     if getattr(args, "share_decoder_input_output_embed", False) or getattr(args, "share_all_embeddings", False):
@@ -253,6 +260,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
              f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
 
     beyond = resolve_beyond_args(args, norm_type, prenorm, weight_init_given)
+    output = resolve_output_layer_args(args)
 
     spec = NormSpec(
         norm_type=norm_type,
@@ -267,4 +275,4 @@ def resolve_normplug_args(args) -> NormplugSettings:
     )
     return NormplugSettings(prenorm=prenorm, norm=spec, fixnorm=args.fixnorm,
                             weight_init=weight_init,
-                            norm_stats_interval=args.norm_stats_interval, beyond=beyond)
+                            norm_stats_interval=args.norm_stats_interval, beyond=beyond, output=output)

@@ -4,13 +4,15 @@
 It subclasses the stock ``transformer`` model, so every stock flag keeps working, and with
 every plugin flag off it *is* the stock model (same modules, parameter names, init and
 outputs; a stock checkpoint loads). The plugin only acts through small build hooks:
-``build_embedding`` (FixNorm rows), ``build_decoder`` (FixNorm output layer), and, after
-the stock build, norm replacement (``install_norms``) and re-initialisation, then the
-later designs (docs/beyond.md): DeepNorm's init, residual scaling through each layer's
-``residual_connection`` hook, QKNorm's q/k projections and the learnable embedding scale.
+``build_embedding`` (FixNorm rows), ``build_decoder`` (FixNorm output layer, the target
+vocabulary mask), and, after the stock build, norm replacement (``install_norms``) and
+re-initialisation, the output bias, then the later designs (docs/beyond.md): DeepNorm's
+init, residual scaling through each layer's ``residual_connection`` hook, QKNorm's q/k
+projections and the learnable embedding scale.
 """
 import torch
 import torch.nn.functional as F
+from torch import nn
 from fairseq.models import register_model
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
 
@@ -23,6 +25,7 @@ from fairseq_normplug.modules.embed_scale import make_embed_scale_learnable
 from fairseq_normplug.modules.norm_stats import NormStatsRecorder
 from fairseq_normplug.modules.qknorm import install_qknorm, resolve_g0
 from fairseq_normplug.modules.residual_scale import deepnorm_constants, install_residual_scale
+from fairseq_normplug.modules.target_vocab_mask import TargetVocabMask, build_allowed_types
 from fairseq_normplug.modules.weight_init import apply_deepnorm_init, apply_model_init
 
 #: the padding logit is set this far below the row's smallest logit: its probability is
@@ -42,18 +45,40 @@ def mask_padding_logit(logits: torch.Tensor, padding_idx: int) -> torch.Tensor:
     return logits
 
 
+def apply_target_vocab_mask(decoder, logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` through the decoder's ``--target-vocab-mask``, if it has one."""
+    mask = getattr(decoder, "target_vocab_mask", None)
+    return logits if mask is None else mask(logits)
+
+
 class FixNormTransformerDecoder(TransformerDecoderBase):
-    """Decoder whose tied output layer uses the l2-normalised embedding rows (eq. 10):
-    logits are cosines scaled by the norm of the final hidden state."""
+    """Decoder whose tied output layer uses the l2-normalised embedding rows (eq. 6):
+    logits are cosines scaled by the norm of the final hidden state (plus the output bias
+    with ``--output-bias``, then the target vocabulary mask with ``--target-vocab-mask``)."""
 
     def output_layer(self, features):
         # as one (rows, d) x (d, V) product: torch's matmul does not fold a 3-D input with
         # decoding's strides into one GEMM when the weight needs no gradient (the cached
         # matrix), and runs a GEMV per row instead, ~10x slower at a 32k vocabulary
         rows = features.reshape(-1, features.size(-1))
-        logits = F.linear(rows, self.embed_tokens.normalized_weight())
+        logits = F.linear(rows, self.embed_tokens.normalized_weight(), self.output_projection.bias)
         logits = logits.view(*features.shape[:-1], logits.size(-1))
-        return mask_padding_logit(logits, self.padding_idx)
+        return apply_target_vocab_mask(self, mask_padding_logit(logits, self.padding_idx))
+
+
+class TargetVocabMaskTransformerDecoder(TransformerDecoderBase):
+    """fairseq's decoder whose logits go through ``target_vocab_mask`` (``--target-vocab-mask``
+    without FixNorm): same modules and parameters as the stock decoder, plus the mask buffer."""
+
+    def output_layer(self, features):
+        return apply_target_vocab_mask(self, super().output_layer(features))
+
+
+def add_output_bias(decoder) -> None:
+    """``--output-bias``: a learnable bias per type on the output layer, initialised to 0
+    (the authors' ``out_bias``), as ``decoder.output_projection.bias``."""
+    projection = decoder.output_projection
+    projection.bias = nn.Parameter(projection.weight.new_zeros(projection.out_features))
 
 
 @register_model("transformer_normplug")
@@ -62,8 +87,9 @@ class TransformerNormplugModel(TransformerModel):
 
     Flags: ``--prenorm``, ``--norm-type`` (one of ``NORM_TYPES``, shorthands
     ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
-    ``--weight-init``, and the later designs ``--qknorm``, ``--residual-scale``,
-    ``--embed-scale`` (docs/beyond.md); see ``fairseq-train --arch transformer_normplug --help``.
+    ``--weight-init``, the authors' output layer ``--target-vocab-mask`` and ``--output-bias``,
+    and the later designs ``--qknorm``, ``--residual-scale``, ``--embed-scale``
+    (docs/beyond.md); see ``fairseq-train --arch transformer_normplug --help``.
     """
 
     @classmethod
@@ -79,11 +105,16 @@ class TransformerNormplugModel(TransformerModel):
                 "--share-all-embeddings needs a joined dictionary (fairseq-preprocess "
                 "--joined-dictionary); with separate dictionaries pass "
                 "--share-decoder-input-output-embed instead")
-        beyond = settings.beyond
+        beyond, output = settings.beyond, settings.output
         g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
+        allowed = build_allowed_types(args, task) if output.target_vocab_mask else None
         model = super().build_model(args, task)
         install_norms(model, settings.norm)
         apply_model_init(model, settings.weight_init)
+        if output.output_bias:
+            add_output_bias(model.decoder)
+        if output.target_vocab_mask:
+            model.decoder.target_vocab_mask = TargetVocabMask(len(task.target_dictionary), allowed)
         if beyond.residual_scale == "deepnorm":
             constants = deepnorm_constants(len(model.encoder.layers), len(model.decoder.layers))
             apply_deepnorm_init(model, constants["encoder_beta"], constants["decoder_beta"])
@@ -93,7 +124,7 @@ class TransformerNormplugModel(TransformerModel):
         if beyond.embed_scale == "learnable":
             make_embed_scale_learnable(model)
         model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
-        model.auto_scale_init = AutoScaleInit(named_norms(model))
+        model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         return model
 
     def load_state_dict(self, state_dict, *args, **kwargs):
@@ -113,11 +144,14 @@ class TransformerNormplugModel(TransformerModel):
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
-        if not getattr(args, "fixnorm", False):
+        if getattr(args, "fixnorm", False):
+            decoder_class = FixNormTransformerDecoder
+        elif getattr(args, "target_vocab_mask", False):
+            decoder_class = TargetVocabMaskTransformerDecoder
+        else:
             return super().build_decoder(args, tgt_dict, embed_tokens)
         cfg = TransformerConfig.from_namespace(args)
-        return FixNormTransformerDecoder(cfg, tgt_dict, embed_tokens,
-                                         no_encoder_attn=cfg.no_cross_attention)
+        return decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)

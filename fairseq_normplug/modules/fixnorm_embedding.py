@@ -1,7 +1,7 @@
-"""FixNorm (Nguyen & Chiang 2018) as used by "Transformers without Tears", eq. (9)-(10):
-every word-embedding row is l2-normalised, w / ||w||; with a tied output layer the logits
-become cosines scaled by the norm of the decoder output (the ScaleNorm g when the last norm
-is a ScaleNorm: cosine normalisation with a learned scale)."""
+"""FixNorm (Nguyen & Chiang 2018) as used by "Transformers without Tears", section 2.3 and
+eq. (6): every word-embedding row is l2-normalised, w / ||w||; with a tied output layer the
+logits become cosines scaled by the norm of the decoder output (the ScaleNorm g when the last
+norm is a ScaleNorm: eq. 6, cosine normalisation with a learned scale)."""
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -1,4 +1,4 @@
-"""ScaleNorm of Nguyen & Salazar (2019), "Transformers without Tears", eq. (8)."""
+"""ScaleNorm of Nguyen & Salazar (2019), "Transformers without Tears", eq. (5)."""
 import math
 
 import torch
@@ -16,7 +16,7 @@ def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.
 
 
 def _scale_norm_forward(x: torch.Tensor, g: torch.Tensor, eps: float):
-    """Eq. (8) on a ``(rows, d)`` matrix: ``y = x * (g / max(||x||, eps))`` (one reduction,
+    """Eq. (5) on a ``(rows, d)`` matrix: ``y = x * (g / max(||x||, eps))`` (one reduction,
     one scaled copy); also returns the unclamped row norms ``||x||`` for the backward."""
     xf = x.to(compute_dtype(x))
     norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
@@ -26,7 +26,7 @@ def _scale_norm_forward(x: torch.Tensor, g: torch.Tensor, eps: float):
 
 def _scale_norm_backward(grad: torch.Tensor, x: torch.Tensor, norm: torch.Tensor,
                          g: torch.Tensor, eps: float):
-    """Hand-derived gradient of eq. (8). With n = ||x||, r = 1 / max(n, eps), s = <x, dy>:
+    """Hand-derived gradient of eq. (5). With n = ||x||, r = 1 / max(n, eps), s = <x, dy>:
     ``dx = g r (dy - x s r^2 [n >= eps])`` and ``dg = sum_rows s r``."""
     dtype = compute_dtype(x)
     xf, gf = x.to(dtype), grad.to(dtype)

@@ -2,10 +2,10 @@
 
 * ``fairseq``: fairseq's own (q/k/v Xavier-uniform with gain 1/sqrt(2), out_proj gain 1,
   FFN PyTorch default); nothing is touched.
-* ``xavier``: the paper's "default" baseline, Xavier normal everywhere (eq. 5): attention
+* ``xavier``: the paper's "default" baseline, Xavier normal everywhere (eq. 4): attention
   std sqrt(2/(d+d)) = sqrt(1/d), FFN std sqrt(2/(d+d_ff)); biases zero.
-* ``smallinit``: SmallInit, attention q/k/v/out ~ N(0, sqrt(2/(5d))) (eq. 6), FFN Xavier
-  normal, biases zero.
+* ``smallinit``: SmallInit, attention q/k/v/out ~ N(0, sqrt(2/(5d))) (section 2.2, in the
+  text after eq. 4: sqrt(2/(d+4d)) instead of sqrt(2/(d+d))), FFN Xavier normal, biases zero.
 * ``tfixup``: T-Fixup (Huang, Perez, Ba & Volkovs 2020, "Improving Transformer Optimization
   Through Better Initialization", ICML, Algorithm 1), for models without norms and without
   warmup; see :func:`apply_tfixup_init`.

@@ -1,7 +1,7 @@
 // Native CPU fast paths of ScaleNorm, RMSNorm and DyT (float32), registered as torch
 // operators with their autograd in C++:
 //
-//   torch.ops.normplug.scale_norm(x, g, eps)                    "Transformers without Tears", eq. (8)
+//   torch.ops.normplug.scale_norm(x, g, eps)                    "Transformers without Tears", eq. (5)
 //   torch.ops.normplug.rms_norm(x, weight, eps)                 RMSNorm (Table 7 of the same paper)
 //   torch.ops.normplug.dynamic_tanh(x, alpha, weight, bias, squash)  DyT, "Transformers without
 //                                                                    Normalization", eq. (1)
@@ -116,7 +116,7 @@ static inline float sum_of_squares(const float *xr, int64_t d) {
     return ss;
 }
 
-/* ScaleNorm, eq. (8): y = x * g / max(||x||, eps); norm = ||x|| per row */
+/* ScaleNorm, eq. (5): y = x * g / max(||x||, eps); norm = ||x|| per row */
 static void scale_norm_fwd(const float *x, float *y, float *norm, int64_t n, int64_t d,
                            float g, float eps, int nt) {
     #pragma omp parallel for schedule(static) num_threads(THREADS(n, d, nt))
