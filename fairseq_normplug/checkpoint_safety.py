@@ -27,10 +27,19 @@ it unpickles with a model and an optimizer history; the tensors are not read (``
 :func:`finished` tells a run whose training had already ended (``--max-update`` reached, or
 the lr below ``--stop-lr`` of our schedulers): fairseq-train resumed from such a checkpoint
 would train one update more before it checks, and overwrite the final checkpoints.
+
+For your own fairseq-train commands, before re-launching one::
+
+    python -m fairseq_normplug.checkpoint_safety SAVE_DIR [--max-update N]
+
+repairs SAVE_DIR, prints what it did, and exits with status 3 when training is already over
+(do not re-launch it then).
 """
+import argparse
 import glob
 import os
 import shutil
+import sys
 import zipfile
 from dataclasses import dataclass
 from typing import List, Optional
@@ -76,15 +85,19 @@ def _whole_zip(path: str) -> bool:
 
 
 def read_checkpoint(path: str) -> Optional[CheckpointInfo]:
-    """The checkpoint's :class:`CheckpointInfo`, or None when the file is missing or not complete."""
-    if not os.path.isfile(path) or not _whole_zip(path):
+    """The checkpoint's :class:`CheckpointInfo`, or None when the file is missing or not
+    complete. An error of the file system itself (permissions, a lost mount) is raised: it says
+    nothing about the file."""
+    if not os.path.isfile(path):
         return None
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    try:  # a whole zip needs no tensor read; anything else is loaded in full (old formats) or fails
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=_whole_zip(path))
         updates = int(state["optimizer_history"][-1]["num_updates"])
         if "model" not in state:
             return None
-    except Exception:  # a damaged archive or pickle: not a checkpoint to trust
+    except OSError:
+        raise
+    except Exception:  # a cut or damaged archive or pickle: not a checkpoint to trust
         return None
     extra = state.get("extra_state") or {}
     groups = (state.get("last_optimizer_state") or {}).get("param_groups") or [{}]
@@ -145,3 +158,27 @@ def finished(info: Optional[CheckpointInfo], max_update: Optional[int]) -> Optio
             and info.updates >= int(scheduler.get("warmup_updates") or 0) and info.next_lr < stop_lr):
         return f"lr {info.next_lr:.3g} < --stop-lr {stop_lr:g} after update {info.updates}"
     return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fairseq_normplug.checkpoint_safety",
+                                     description="Repair a fairseq --save-dir a killed job left; exit 3 when "
+                                                 "its training is already over.")
+    parser.add_argument("save_dir", help="fairseq-train's --save-dir")
+    parser.add_argument("--max-update", type=int, help="the run's --max-update (to tell a finished run)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.save_dir):
+        parser.error(f"no such folder: {args.save_dir}")
+    for action in repair(args.save_dir):
+        print(action)
+    last = read_checkpoint(os.path.join(args.save_dir, LAST))
+    print(f"{LAST}: " + (f"update {last.updates}" if last else "none (fairseq-train starts from scratch)"))
+    over = finished(last, args.max_update)
+    if over:
+        print(f"training is over: {over}")
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

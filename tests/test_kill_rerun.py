@@ -349,3 +349,18 @@ def test_finished_training_is_not_resumed(tmp_path):
     assert checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000) is None
     _fake_checkpoint(path, 5, next_lr=4e-5, scheduler=scheduler)  # in warmup: the floor does not apply
     assert checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000) is None
+
+
+def test_command_line_repairs_and_tells_a_finished_run(tmp_path, capsys):
+    _fake_checkpoint(tmp_path / "checkpoint_1_20.pt", 20, 7.0, 7.0)
+    shutil.copyfile(tmp_path / "checkpoint_1_20.pt", tmp_path / "checkpoint_last.pt")
+    _truncate(tmp_path / "checkpoint_last.pt")
+    assert checkpoint_safety.main([str(tmp_path), "--max-update", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "removed the incomplete checkpoint_last.pt" in out and "checkpoint_last.pt: update 20" in out
+    assert _updates(tmp_path, "checkpoint_best.pt") == 20
+    assert checkpoint_safety.main([str(tmp_path), "--max-update", "20"]) == 3
+    assert "training is over" in capsys.readouterr().out
+    torch.save({"model": {}, "optimizer_history": [{"num_updates": 5}]}, str(tmp_path / "old.pt"),
+               _use_new_zipfile_serialization=False)  # torch's pre-1.6 format: complete, not a zip
+    assert _updates(tmp_path, "old.pt") == 5
