@@ -281,6 +281,8 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
             summary = progress_line(run, line)
             if summary:
                 echo(summary)
+                # the time trained so far survives a kill (a killed job's minutes count too)
+                run.set_status(minutes=round(minutes_before + (time.time() - started) / 60, 2))
         returncode = proc.wait()
     minutes = minutes_before + (time.time() - started) / 60
     updates = last_num_updates(run.path("train.log"))
