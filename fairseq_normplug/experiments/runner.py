@@ -27,7 +27,12 @@ What the runner adds to every recipe (docs/fidelity.md):
 Everything is resumable: a finished run is skipped, an interrupted one continues from
 ``checkpoint_last.pt``, and a run whose loss or gradients became NaN/Inf is recorded as
 ``diverged`` (a result, as in the paper's Tables 2 and 5), not raised as an error. Outputs
-are written to temporary names and renamed, so nothing half-written is ever trusted.
+are written to temporary names and renamed, so nothing half-written is ever trusted. A job
+killed at any moment (SIGKILL, a node lost) continues when the same command runs again:
+checkpoints it left half-copied are deleted and its interrupted save is finished first
+(:mod:`fairseq_normplug.checkpoint_safety`), a run whose training had ended is not trained
+an update further, and the resumed run trains on the uninterrupted run's batches
+(``--task translation_normplug``), so the table is the one an uninterrupted job writes.
 """
 import glob
 import json
@@ -42,6 +47,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from fairseq_normplug import checkpoint_safety
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
 from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table
@@ -240,20 +246,33 @@ def progress_line(run: Run, line: str) -> Optional[str]:
 
 
 def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) -> dict:
-    """Train (or resume) ``run``; returns its status. Finished and diverged runs are skipped."""
+    """Train (or resume) ``run``; returns its status. Finished and diverged runs are skipped.
+
+    Before fairseq-train starts, the checkpoints a killed job left are checked and the save it
+    was killed in is finished (:func:`fairseq_normplug.checkpoint_safety.repair`), and a run
+    whose last checkpoint already ended training is recorded as done without another update."""
     status = run.status()
     if status["status"] in ("done", "diverged"):
         echo(f"[{run.label}] {status['status']}: skipped")
         return status
     os.makedirs(run.path("checkpoints"), exist_ok=True)
+    for action in checkpoint_safety.repair(run.path("checkpoints")):
+        echo(f"[{run.label}] checkpoints: {action}")
     command = run.train_command(list(extra))
-    started = time.time()
     minutes_before = status.get("minutes", 0.0)
+    last = checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST))
+    max_update = last_flag_value(command, "--max-update")
+    over = checkpoint_safety.finished(last, int(max_update) if max_update else None)
+    if over:
+        echo(f"[{run.label}] training was over ({over}); not resumed")
+        return _training_done(run, minutes_before, last.updates)
+    started = time.time()
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if status['status'] == 'running' else 'starting'}); "
          f"log: {run.path('train.log')}")
     tail = []
-    with open(run.path("train.log"), "a", encoding="utf-8") as log:
+    _end_last_line(run.path("train.log"))
+    with open(run.path("train.log"), "a", encoding="utf-8", buffering=1) as log:  # line by line: kept on a kill
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
@@ -262,18 +281,33 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
             summary = progress_line(run, line)
             if summary:
                 echo(summary)
+                # the time trained so far survives a kill (a killed job's minutes count too)
+                run.set_status(minutes=round(minutes_before + (time.time() - started) / 60, 2))
         returncode = proc.wait()
     minutes = minutes_before + (time.time() - started) / 60
     updates = last_num_updates(run.path("train.log"))
     if returncode == 0:
-        for interval_checkpoint in glob.glob(run.path("checkpoints", "checkpoint_*_*.pt")):
-            os.remove(interval_checkpoint)  # a copy of checkpoint_last.pt or older: keep last and best
-        return run.set_status(status="done", minutes=round(minutes, 2), updates=updates)
+        return _training_done(run, minutes, updates)
     text = "".join(tail)
     state = "diverged" if any(marker in text for marker in DIVERGENCE_MARKERS) else "failed"
     echo(f"[{run.label}] {state} (exit {returncode}); see {run.path('train.log')}")
     return run.set_status(status=state, minutes=round(minutes, 2), updates=updates, exit_code=returncode,
                           error=text.strip().splitlines()[-1][:300] if text.strip() else "")
+
+
+def _training_done(run: Run, minutes: float, updates: Optional[int]) -> dict:
+    for interval_checkpoint in glob.glob(run.path("checkpoints", "checkpoint_*_*.pt")):
+        os.remove(interval_checkpoint)  # a copy of checkpoint_last.pt or older: keep last and best
+    return run.set_status(status="done", minutes=round(minutes, 2), updates=updates)
+
+
+def _end_last_line(path: str) -> None:
+    """End a log's last line if a killed job left it unfinished (so appended records parse)."""
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
 def last_num_updates(log_path: str) -> Optional[int]:
@@ -318,14 +352,21 @@ def generate_command(run: Run, checkpoint: str, subset: str = "test") -> List[st
 
 
 def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
-    """Translate the test set with the best checkpoint and score it; None if not trained."""
+    """Translate the test set with the best checkpoint and score it; None if not trained.
+    ``generate-test.txt`` and ``scores.json`` appear complete or not at all; a killed
+    decoding's temporary output is deleted and decoding starts again."""
     scores_path = run.path("scores.json")
     if read_json(scores_path) is not None:
         return read_json(scores_path)
     checkpoint = run.path("checkpoints", "checkpoint_best.pt")
     if run.status()["status"] != "done" or not os.path.exists(checkpoint):
         return None
+    if checkpoint_safety.read_checkpoint(checkpoint) is None:
+        raise NormplugError(f"{checkpoint} is incomplete (the disk filled up or it was copied in part); "
+                            f"train {run.label} again from scratch: delete {run.run_dir}")
     output = run.path("generate-test.txt")
+    for leftover in glob.glob(f"{output}.tmp-*"):  # a killed decoding's partial output
+        os.remove(leftover)
     tmp = f"{output}.tmp-{os.getpid()}"
     command = generate_command(run, checkpoint)
     echo(f"[{run.label}] translating the test set")

@@ -14,6 +14,12 @@ paper's recipe that are not model flags (NOTES.md, TED recipe):
   (``--eval-bleu``: the task builds its generator through :meth:`build_generator`). Off by
   default (fairseq's ``--lenpen`` applies as usual).
 
+* ``--resume-batches uninterrupted`` (default): a resumed run trains on the batches an
+  uninterrupted run trains on, so a killed and re-run job is bit-identical to one that was
+  never stopped (:mod:`fairseq_normplug.tasks.resume_batches`; ``fairseq`` keeps stock
+  fairseq's batches, which change with the epoch a run was resumed in). A fresh run is the
+  same either way.
+
 Word dropout's random draws come from a generator of their own, seeded from fairseq's
 per-update seed (``--seed`` + update number, which fairseq sets before every update), the
 data-parallel rank and the micro-batch index within the update: deterministic per seed and
@@ -24,12 +30,15 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
+from omegaconf import II
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator
+from fairseq_normplug.tasks.resume_batches import RESUME_BATCHES, first_epoch_seeds
 from fairseq_normplug.tasks.word_dropout import word_dropout
 
 
@@ -41,6 +50,11 @@ class TranslationNormplugConfig(TranslationConfig):
     gnmt_alpha: Optional[float] = field(default=None, metadata={
         "help": "beam search: GNMT length normalisation log P / ((5 + |Y|) / 6) ** alpha (the paper: "
                 "0.6), replacing --lenpen; default off"})
+    resume_batches: ChoiceEnum(RESUME_BATCHES) = field(default="uninterrupted", metadata={
+        "help": "batches of a resumed run: 'uninterrupted' = those an uninterrupted run trains on "
+                "(bit-identical resume); 'fairseq' = stock fairseq, rebuilt at the resumed epoch"})
+    # fairseq's --update-ordered-indices-seed (the trainer then passes --seed + epoch as seed)
+    update_ordered_indices_seed: bool = II("dataset.update_ordered_indices_seed")
 
 
 def check_config(cfg) -> None:
@@ -59,6 +73,15 @@ def unsmoothed_bleu(meters) -> float:
                              sys_len=int(meters["_bleu_sys_len"].sum), ref_len=int(meters["_bleu_ref_len"].sum),
                              smooth_method="none")
     return round(bleu.score, 2)
+
+
+def _config_flag(cfg, name: str) -> bool:
+    """A boolean task-config value that may be missing or unresolvable (a task config built
+    outside fairseq-train, or saved by an older version): False then."""
+    try:
+        return bool(getattr(cfg, name, False))
+    except Exception:  # omegaconf's interpolation errors when the config has no parent
+        return False
 
 
 def _rank() -> int:
@@ -102,6 +125,28 @@ class TranslationNormplugTask(TranslationTask):
         if self.cfg.word_dropout > 0 and sample:
             sample = self.apply_word_dropout(sample, self.word_dropout_generator(update_num))
         return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+
+    def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
+                           ignore_invalid_inputs=False, required_batch_size_multiple=1, seed=1, num_shards=1,
+                           shard_id=0, num_workers=0, epoch=1, data_buffer_size=0, disable_iterator_cache=False,
+                           skip_remainder_batch=False, grouped_shuffling=False, update_epoch_batch_itr=False):
+        """fairseq's iterator, with the batches (and per-epoch shuffle seed) an uninterrupted run
+        has at ``epoch`` (see :mod:`fairseq_normplug.tasks.resume_batches`)."""
+        cached = (not disable_iterator_cache and not update_epoch_batch_itr and self.can_reuse_epoch_itr(dataset)
+                  and not getattr(self.cfg, "rebuild_batches", False))  # else fairseq rebuilds every epoch
+        pinned = epoch > 1 and cached and getattr(self.cfg, "resume_batches", "uninterrupted") == "uninterrupted"
+        seeds = first_epoch_seeds(seed, epoch, _config_flag(self.cfg, "update_ordered_indices_seed")) \
+            if pinned else None
+        iterator = super().get_batch_iterator(
+            dataset, max_tokens=max_tokens, max_sentences=max_sentences, max_positions=max_positions,
+            ignore_invalid_inputs=ignore_invalid_inputs, required_batch_size_multiple=required_batch_size_multiple,
+            seed=seed if seeds is None else seeds.batching, num_shards=num_shards, shard_id=shard_id,
+            num_workers=num_workers, epoch=epoch, data_buffer_size=data_buffer_size,
+            disable_iterator_cache=disable_iterator_cache, skip_remainder_batch=skip_remainder_batch,
+            grouped_shuffling=grouped_shuffling, update_epoch_batch_itr=update_epoch_batch_itr)
+        if seeds is not None:
+            iterator.seed = seeds.shuffle
+        return iterator
 
     def reduce_metrics(self, logging_outputs, criterion):
         if self.cfg.eval_bleu and self.cfg.eval_tokenized_bleu:
