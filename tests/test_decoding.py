@@ -13,7 +13,6 @@ from fairseq.data import Dictionary
 from fairseq.models import FairseqEncoder, FairseqEncoderDecoderModel, FairseqIncrementalDecoder
 from fairseq.sequence_generator import SequenceGenerator
 
-from conftest import cli, run_cli
 from model_helpers import build, randomized
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator, gnmt_length_penalty
@@ -224,9 +223,11 @@ def test_dev_bleu_decodes_with_the_same_generators(tiny_bin):
 # ---- fairseq-generate ----------------------------------------------------------------------
 
 def test_fairseq_generate_with_gnmt_search_is_batch_independent(tiny_bin, tiny_model, tmp_path):
-    """fairseq-generate (batches of 60 tokens, sorted by length; one shard of four) and the
-    task's generator in process (two shuffled batches) give the same hypotheses."""
+    """fairseq-generate's main() (in process: batches of 60 tokens, sorted by length) and the
+    task's generator (30 of the sentences, in two shuffled batches) give the same hypotheses."""
+    from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq_cli import generate
     from omegaconf import OmegaConf
 
     model, args = tiny_model
@@ -236,25 +237,25 @@ def test_fairseq_generate_with_gnmt_search_is_batch_independent(tiny_bin, tiny_m
                 "model": model.state_dict(), "args": None, "extra_state": {},
                 "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "SGD",
                                        "lr_scheduler_state": {}, "num_updates": 0}]}, path)
-    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", path, "--cpu",
-                    "--task", "translation_normplug", "--gnmt-alpha", "0.6", "--gnmt-search", "--beam", "4",
-                    "--max-len-a", "1", "--max-len-b", "5", "--max-tokens", "60", "--num-shards", "4",
-                    "--shard-id", "0", "--gen-subset", "test", "--source-lang", "src", "--target-lang", "tgt"],
-                   timeout=120)
-    hypotheses = {int(i): h for i, h in re.findall(r"^H-(\d+)\t\S+\t(.*)$", proc.stdout, flags=re.M)}
-    assert 15 <= len(hypotheses) <= 40
+    argv = [tiny_bin, "--user-dir", USER_DIR, "--path", path, "--cpu", "--task", "translation_normplug",
+            "--gnmt-alpha", "0.6", "--gnmt-search", "--beam", "4", "--max-len-a", "1", "--max-len-b", "5",
+            "--max-tokens", "60", "--required-batch-size-multiple", "1", "--gen-subset", "test",
+            "--source-lang", "src", "--target-lang", "tgt", "--results-path", str(tmp_path)]
+    generate.main(options.parse_args_and_arch(options.get_generation_parser(), argv))
+    text = (tmp_path / "generate-test.txt").read_text()
+    hypotheses = {int(i): h for i, h in re.findall(r"^H-(\d+)\t\S+\t(.*)$", text, flags=re.M)}
+    assert sorted(hypotheses) == list(range(100))
     _, task, _ = build(tiny_bin, TINY, *SEARCHES["gnmt-search"], task="translation_normplug")
     task.load_dataset("test")
     dataset = task.dataset("test")
     generator = task.build_generator([model], Namespace(beam=4, max_len_a=1, max_len_b=5))
-    ids = sorted(hypotheses)
-    shuffled = [ids[k] for k in torch.randperm(len(ids), generator=torch.Generator().manual_seed(1)).tolist()]
+    shuffled = torch.randperm(100, generator=torch.Generator().manual_seed(1))[:30].tolist()
     ours = {}
     for batch in (shuffled[::2], shuffled[1::2]):
         sample = dataset.collater([dataset[i] for i in batch])
         for i, hypos in zip(sample["id"].tolist(), task.inference_step(generator, [model], sample)):
             ours[i] = task.target_dictionary.string(hypos[0]["tokens"])
-    assert ours == hypotheses
+    assert ours == {i: hypotheses[i] for i in shuffled}
 
 
 @pytest.mark.parametrize("flags,gen,message", [
