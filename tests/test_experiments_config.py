@@ -121,7 +121,7 @@ def test_recipes_are_a_base_plus_differences():
     assert differ == {"--max-update", "--validate-interval-updates"}
     assert _value(iwslt.train, "--validate-interval-updates") == "1500"
     assert "--word-dropout" in ted.train and "--word-dropout" not in recipes["wmt14"].train
-    assert ted.decoding == {"beam": 4, "gnmt_alpha": 0.6, "max_len_a": 0, "max_len_b": 200}
+    assert ted.decoding == {"beam": 4, "gnmt_alpha": 0.6, "gnmt_search": True, "max_len_a": 1, "max_len_b": 50}
     assert recipes["wmt14"].decoding == {"beam": 4, "lenpen": 0.6, "max_len_a": 0, "max_len_b": 200}
 
 
@@ -144,10 +144,12 @@ def test_dev_and_test_share_one_decoder_and_the_manifest_post_processing(data_di
         run = _run("table3", "gl-en", data_dir)
         train, test = run.train_command(), generate_command(run, "best.pt")
         dev_args = json.loads(_value(train, "--eval-bleu-args"))
-        assert dev_args == {"beam": 4, "max_len_a": 0, "max_len_b": 200}
+        assert dev_args == {"beam": 4, "max_len_a": 1, "max_len_b": 50}  # source + 50, per sentence
         test_args = {k: _value(test, f"--{k.replace('_', '-')}") for k in dev_args}
         assert test_args == {k: str(v) for k, v in dev_args.items()}
         assert _value(train, "--gnmt-alpha") == _value(test, "--gnmt-alpha") == "0.6"
+        assert "--gnmt-search" in train and "--gnmt-search" in test
+        assert "--batch-length-cap" not in train + test
         assert "--eval-tokenized-bleu" in train and "--lenpen" not in test
         assert _value(train, "--eval-bleu-remove-bpe") == _value(test, "--remove-bpe") == method
         assert _value(train, "--task") == _value(test, "--task") == "translation_normplug"

@@ -32,8 +32,9 @@ TABLE_KEYS = {"title", "recipe", "pairs", "rows"}
 ROW_KEYS = {"name", "model", "schedule", "baseline", "train", "paper"}
 RECIPE_KEYS = {"description", "base", "pairs", "arch", "train", "unset", "decoding", "generate",
                "tokens_per_update", "warmup_scale", "lr_lambda_scale"}
-#: keys of a recipe's ``decoding`` spec (fairseq generation options, plus GNMT's alpha)
-DECODING_KEYS = {"beam", "gnmt_alpha", "lenpen", "max_len_a", "max_len_b"}
+#: keys of a recipe's ``decoding`` spec: fairseq generation options, plus the task's GNMT alpha,
+#: the authors' search (``gnmt_search``) and fairseq's batch-wide length cap (``batch_length_cap``)
+DECODING_KEYS = {"beam", "gnmt_alpha", "gnmt_search", "batch_length_cap", "lenpen", "max_len_a", "max_len_b"}
 #: what a recipe does not inherit from its base
 NOT_INHERITED = ("description", "pairs", "base", "unset")
 SCHEDULE_KEYS = {"description", "flags", "warmup"}
@@ -191,6 +192,12 @@ def _recipe(name: str, data: dict, where: str) -> Recipe:
         raise NormplugError(f"{where}: 'decoding' has both gnmt_alpha and lenpen; set the other to null")
     if not isinstance(decoding.get("beam"), int) or decoding["beam"] < 1:
         raise NormplugError(f"{where}: 'decoding' needs an integer beam >= 1, got {decoding.get('beam')!r}")
+    for key in ("gnmt_search", "batch_length_cap"):
+        if decoding.get(key) is not None and not isinstance(decoding[key], bool):
+            raise NormplugError(f"{where}: 'decoding' {key} must be true, false or null, got {decoding[key]!r}")
+    if decoding.get("gnmt_search") and "gnmt_alpha" not in decoding:
+        raise NormplugError(f"{where}: 'decoding' has gnmt_search but no gnmt_alpha (the authors' search "
+                            f"ranks by GNMT's normalised score); give gnmt_alpha or set gnmt_search to null")
     pairs = data.get("pairs", [])
     if not isinstance(pairs, list) or not all(isinstance(p, str) and p.count("-") == 1 for p in pairs):
         raise NormplugError(f"{where}: 'pairs' must list language pairs like 'en-vi', got {pairs!r}")

@@ -12,9 +12,12 @@ A run lives in its own folder (``runs/<table>/<pair>/<row-slug>/``)::
 What the runner adds to every recipe (docs/fidelity.md):
 
 * **One decoder for dev and test.** The recipe's ``decoding`` spec (beam, GNMT alpha or
-  lenpen, max_len_a/b) becomes both fairseq-train's dev-BLEU generator (``--eval-bleu-args``,
-  ``--gnmt-alpha``) and fairseq-generate's flags; dev BLEU is tokenized BLEU
-  (``--eval-tokenized-bleu``), like the test score.
+  lenpen, the authors' search, max_len_a/b of the per-sentence length cap) becomes both
+  fairseq-train's dev-BLEU generator (``--eval-bleu-args``, ``--gnmt-alpha``,
+  ``--gnmt-search``) and fairseq-generate's flags; dev BLEU is tokenized BLEU
+  (``--eval-tokenized-bleu``), like the test score. Each sentence's length cap is its own
+  (the task's default), so dev BLEU during training (validation batches) and the test decoder
+  (other batches) give one checkpoint the same hypotheses.
 * **Checkpoint selection by dev BLEU.** fairseq updates ``checkpoint_best.pt`` only when it
   saves, so ``--save-interval-updates`` is set to the effective ``--validate-interval-updates``
   (its last occurrence, the user's ``--train-flags`` included) and ``--keep-interval-updates 1``
@@ -110,8 +113,10 @@ def last_flag_value(flags: List[str], flag: str) -> Optional[str]:
 
 
 def decoding_task_flags(decoding: dict) -> List[str]:
-    """Task flags of a decoding spec (``--gnmt-alpha``), shared by fairseq-train and -generate."""
-    return ["--gnmt-alpha", f"{decoding['gnmt_alpha']:g}"] if decoding.get("gnmt_alpha") is not None else []
+    """Task flags of a decoding spec (``--gnmt-alpha``, ``--gnmt-search``, ``--batch-length-cap``),
+    shared by fairseq-train (dev BLEU) and fairseq-generate (test)."""
+    flags = ["--gnmt-alpha", f"{decoding['gnmt_alpha']:g}"] if decoding.get("gnmt_alpha") is not None else []
+    return flags + [f"--{key.replace('_', '-')}" for key in ("gnmt_search", "batch_length_cap") if decoding.get(key)]
 
 
 def generation_options(decoding: dict) -> dict:

@@ -7,6 +7,10 @@ A finished hypothesis Y of a source X is ranked by
 (the paper's coverage penalty is not used: beta = 0). |Y| counts the end-of-sentence token,
 as fairseq's own ``--lenpen`` length does (``step + 1`` in ``SequenceGenerator.finalize_hypos``)
 and as tensor2tensor's beam search does (``(5 + i + 1) / 6`` at decoding step i).
+
+This is ``--gnmt-alpha`` alone: fairseq's search, whose finished hypotheses are re-ranked. The
+authors' search, where normalised scores rank the beam at every step, is ``--gnmt-search``
+(gnmt_search.py).
 """
 from typing import Dict, List
 

@@ -9,10 +9,17 @@ paper's recipe that are not model flags (NOTES.md, TED recipe):
   from the paper's metric when an n-gram precision is 0).
 * ``--gnmt-alpha A``: beam search ranks finished hypotheses by GNMT length normalisation,
   log P(Y|X) / ((5 + |Y|) / 6) ** A (Wu et al. 2016, eq. 14; |Y| counts EOS), instead of
-  fairseq's ``--lenpen``. Used by fairseq-generate, fairseq-interactive (both take
-  ``--task translation_normplug --gnmt-alpha A``) and by fairseq-train's dev BLEU
-  (``--eval-bleu``: the task builds its generator through :meth:`build_generator`). Off by
-  default (fairseq's ``--lenpen`` applies as usual).
+  fairseq's ``--lenpen``. Off by default (fairseq's ``--lenpen`` applies as usual).
+* ``--gnmt-search`` (with ``--gnmt-alpha A``): the authors' beam search instead of fairseq's,
+  normalised scores ranking every candidate at every step (gnmt_search.py).
+* the decoding length cap is **per sentence**: each sentence stops at ``max_len_a`` x its own
+  source length (EOS counted) + ``max_len_b`` (length_cap.py), so hypotheses do not depend on
+  the batching; ``--batch-length-cap`` restores fairseq's cap from the longest source of the
+  batch.
+
+Every decoding option holds for fairseq-generate, fairseq-interactive (both take
+``--task translation_normplug ...``) and fairseq-train's dev BLEU (``--eval-bleu``: the task
+builds its generator through :meth:`build_generator`).
 
 * ``--resume-batches uninterrupted`` (default): a resumed run trains on the batches an
   uninterrupted run trains on, so a killed and re-run job is bit-identical to one that was
@@ -32,12 +39,15 @@ from typing import Optional
 import torch
 from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
+from fairseq.sequence_generator import SequenceGenerator
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator
+from fairseq_normplug.tasks.gnmt_search import GnmtBeamSearchGenerator
+from fairseq_normplug.tasks.length_cap import cap_each_sentence
 from fairseq_normplug.tasks.resume_batches import RESUME_BATCHES, first_epoch_seeds
 from fairseq_normplug.tasks.word_dropout import word_dropout
 
@@ -55,6 +65,14 @@ class TranslationNormplugConfig(TranslationConfig):
                 "(bit-identical resume); 'fairseq' = stock fairseq, rebuilt at the resumed epoch"})
     # fairseq's --update-ordered-indices-seed (the trainer then passes --seed + epoch as seed)
     update_ordered_indices_seed: bool = II("dataset.update_ordered_indices_seed")
+    gnmt_search: bool = field(default=False, metadata={
+        "help": "the authors' beam search (needs --gnmt-alpha): GNMT-normalised scores rank every "
+                "candidate at every step, an ended hypothesis keeps its score and its slot, a sentence "
+                "ends when every slot has ended or at its length cap; --lenpen is not used"})
+    batch_length_cap: bool = field(default=False, metadata={
+        "help": "decode with fairseq's batch length cap, max_len_a x the longest source of the batch + "
+                "max_len_b, instead of each sentence's own (max_len_a x its source length, EOS counted, "
+                "+ max_len_b); hypotheses then depend on the batching"})
 
 
 def check_config(cfg) -> None:
@@ -63,6 +81,26 @@ def check_config(cfg) -> None:
         raise NormplugError(f"--word-dropout must be in [0, 1), got {cfg.word_dropout}")
     if cfg.gnmt_alpha is not None and cfg.gnmt_alpha < 0:
         raise NormplugError(f"--gnmt-alpha must be >= 0 (or left out: fairseq's --lenpen), got {cfg.gnmt_alpha}")
+    if cfg.gnmt_search and cfg.gnmt_alpha is None:
+        raise NormplugError("--gnmt-search needs --gnmt-alpha A (the paper: 0.6; 0 ranks by log P alone)")
+
+
+def check_gnmt_search_args(args, prefix_allowed_tokens_fn=None, extra_gen_cls_kwargs=None) -> None:
+    """One-line error for a fairseq generation option that --gnmt-search does not implement."""
+    given = {
+        "--sampling": getattr(args, "sampling", False),
+        "--diverse-beam-groups": getattr(args, "diverse_beam_groups", -1) > 0,
+        "--diversity-rate": getattr(args, "diversity_rate", -1) > -1,
+        "--match-source-len": getattr(args, "match_source_len", False),
+        "--constraints": getattr(args, "constraints", None),
+        "--print-alignment": getattr(args, "print_alignment", None),
+        "--no-repeat-ngram-size": getattr(args, "no_repeat_ngram_size", 0) > 0,
+        "prefix_allowed_tokens_fn": prefix_allowed_tokens_fn or getattr(args, "prefix_allowed_tokens_fn", None),
+        "--lm-path": (extra_gen_cls_kwargs or {}).get("lm_model") is not None,
+    }
+    for flag, on in given.items():
+        if on:
+            raise NormplugError(f"--gnmt-search does not support {flag}; leave one of them out")
 
 
 def unsmoothed_bleu(meters) -> float:
@@ -92,7 +130,8 @@ def _rank() -> int:
 
 @register_task("translation_normplug", dataclass=TranslationNormplugConfig)
 class TranslationNormplugTask(TranslationTask):
-    """fairseq's translation task with word dropout and GNMT length normalisation."""
+    """fairseq's translation task with word dropout, GNMT length normalisation or the authors'
+    beam search, and the per-sentence decoding length cap."""
 
     @classmethod
     def setup_task(cls, cfg, **kwargs):
@@ -157,10 +196,22 @@ class TranslationNormplugTask(TranslationTask):
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None):
+        """The authors' search (--gnmt-search), or fairseq's (re-ranked with --gnmt-alpha); either
+        with the per-sentence length cap unless --batch-length-cap."""
+        if self.cfg.gnmt_search and seq_gen_cls is None and not getattr(args, "score_reference", False):
+            check_gnmt_search_args(args, prefix_allowed_tokens_fn, extra_gen_cls_kwargs)
+            return GnmtBeamSearchGenerator(
+                models, self.target_dictionary, beam_size=getattr(args, "beam", 5), gnmt_alpha=self.cfg.gnmt_alpha,
+                max_len_a=getattr(args, "max_len_a", 0), max_len_b=getattr(args, "max_len_b", 200),
+                min_len=getattr(args, "min_len", 1), unk_penalty=getattr(args, "unkpen", 0),
+                temperature=getattr(args, "temperature", 1.0), per_sentence_cap=not self.cfg.batch_length_cap)
         if self.cfg.gnmt_alpha is not None and seq_gen_cls is None:
             if getattr(args, "print_alignment", False):
                 raise NormplugError("--gnmt-alpha does not support --print-alignment; leave one out")
             seq_gen_cls = GnmtSequenceGenerator
             extra_gen_cls_kwargs = {**(extra_gen_cls_kwargs or {}), "gnmt_alpha": self.cfg.gnmt_alpha}
-        return super().build_generator(models, args, seq_gen_cls, extra_gen_cls_kwargs,
-                                       prefix_allowed_tokens_fn)
+        generator = super().build_generator(models, args, seq_gen_cls, extra_gen_cls_kwargs,
+                                            prefix_allowed_tokens_fn)
+        if not self.cfg.batch_length_cap and isinstance(generator, SequenceGenerator):
+            cap_each_sentence(generator, getattr(args, "max_len_a", 0), getattr(args, "max_len_b", 200))
+        return generator
