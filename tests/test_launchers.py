@@ -225,7 +225,7 @@ def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orc
 
     def preempt():
         deadline = time.time() + 300
-        interval, last = preempted / "checkpoints" / "checkpoint_1_5.pt", preempted / "checkpoints" / "checkpoint_last.pt"
+        interval, last = (preempted / "checkpoints" / name for name in ("checkpoint_1_5.pt", "checkpoint_last.pt"))
         while time.time() < deadline and not signalled:
             job = launcher.submitted.get(str(preempted))
             if job is not None and interval.exists() and last.exists() and \

@@ -354,7 +354,8 @@ def failure_of(run: Run) -> Optional[str]:
         error = status.get("run_error")
         return f"trained, not evaluated{': ' + error if error else ''}"
     if state == "failed":
-        return f"training failed (exit {status.get('exit_code')}){': ' + status['error'] if status.get('error') else ''}"
+        error = f": {status['error']}" if status.get("error") else ""
+        return f"training failed (exit {status.get('exit_code')}){error}"
     if state == "running":
         return "interrupted while training (its process ended without a result)"
     error = status.get("run_error")

@@ -275,7 +275,7 @@ def make_launcher(args, runs_dir: str, table: Table):
                   if getattr(args, name) is not None] + (["--sbatch"] if args.sbatch else [])
     if slurm_only:
         raise NormplugError(f"{slurm_only[0]} is an option of --launcher slurm (the launcher is local)")
-    return launchers.LocalLauncher(jobs=args.jobs or 1, devices_per_run=args.devices_per_run,
+    return launchers.LocalLauncher(jobs=1 if args.jobs is None else args.jobs, devices_per_run=args.devices_per_run,
                                    cpus_per_run=args.cpus_per_run)
 
 
