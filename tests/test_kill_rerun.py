@@ -89,14 +89,14 @@ def during_copy(module):
 def during_decoding(module):
     if not sys.argv[0].endswith("fairseq-generate"):
         return
-    generate, calls = module.SequenceGenerator.generate, []
+    step, calls = module.FairseqTask.inference_step, []  # one call per batch, whichever generator
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         if len(calls) == int(point()[1]):
             kill()
-        return generate(self, *args, **kwargs)
-    module.SequenceGenerator.generate = counted
+        return step(self, *args, **kwargs)
+    module.FairseqTask.inference_step = counted
 
 
 def during_write(module):
@@ -113,7 +113,7 @@ def during_write(module):
 
 
 PATCHES = {"update": ("fairseq.trainer", after_update), "copy": ("fairseq.file_io", during_copy),
-           "generate": ("fairseq.sequence_generator", during_decoding)}
+           "generate": ("fairseq.tasks.fairseq_task", during_decoding)}
 
 
 class PatchAfterImport:

@@ -25,7 +25,7 @@ import time
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import REPO, load_recipes, load_table
-from fairseq_normplug.experiments.reproduce import run_table
+from fairseq_normplug.experiments.reproduce import report_failures, run_table
 from fairseq_normplug.prepare import corpus as prepare_corpus
 from fairseq_normplug.prepare.download import sha256_of
 from fairseq_normplug.prepare.pipeline import FolderConflict
@@ -58,6 +58,7 @@ def prepare(raw_dir: str, src: str, tgt: str, dest: str, tokenized: bool, bpe_me
 
 
 def main(argv=None):
+    """demo.sh; exits 1 when a run failed (a diverged run is a result: exit 0)."""
     parser = argparse.ArgumentParser(prog="demo.sh", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
@@ -92,10 +93,16 @@ def main(argv=None):
         table = load_table("demo")
         table = dataclasses.replace(table, recipe=load_recipes()[PRESETS[args.preset]], pairs=[pair],
                                     title=f"{table.title} ({name}, preset {args.preset})")
-        run_table(table, [pair], {pair: data_dir}, os.path.join(args.out, "runs"), args.out)
+        results = run_table(table, [pair], {pair: data_dir}, os.path.join(args.out, "runs"), args.out,
+                            echo_failures=False)
     except NormplugError as error:
         sys.exit(f"demo.sh: error: {error}")
-    print(f"[demo] done in {(time.time() - started) / 60:.1f} minutes; results in {args.out}")
+    failed = getattr(results, "failed", None) or []
+    print(f"[demo] done in {(time.time() - started) / 60:.1f} minutes; results in {args.out}"
+          + (f"; {len(failed)} run(s) failed" if failed else ""))
+    if failed:  # the last lines name them; a diverged run is a result, not a failure
+        report_failures(failed)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

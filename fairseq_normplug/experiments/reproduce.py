@@ -2,20 +2,35 @@
 then write ``results/<TABLE>/results.{csv,md}`` and the figures.
 
 Resumable: finished rows are skipped, interrupted ones resume from their last checkpoint,
-diverged ones stay recorded as diverged. See docs/experiments.md.
+diverged ones stay recorded as diverged. Runs go one after another on this machine, or
+``--jobs N`` at once (``--devices-per-run K`` GPUs each), or as SLURM jobs (``--launcher slurm``;
+experiments/launchers.py); ``--seeds`` trains every cell with several seeds. ``--print-commands``,
+``--status`` and ``--collect`` look at a table instead of running it. Exits 1 when a run failed
+(a diverged run is a result). See docs/experiments.md.
 """
 import argparse
+import json
 import logging
 import os
+import shlex
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments import bleu, figures, tables
-from fairseq_normplug.experiments.configs import REPO, Table, available_tables, load_data_locations, load_table
-from fairseq_normplug.experiments.runner import (
-    Run, check_data_dir, evaluate, read_json, run_folder, test_hypotheses, test_references, train,
+from fairseq_normplug.experiments import bleu, figures, launchers, tables
+from fairseq_normplug.experiments.configs import (
+    CONFIG_DIR, REPO, Table, available_tables, load_data_locations, load_table,
 )
+from fairseq_normplug.experiments.runner import (
+    Run, check_data_dir, command_batching, generate_command, last_flag_value, read_json, run_folder,
+    test_hypotheses, test_references,
+)
+from fairseq_normplug.experiments.training_log import parse_training_log
+
+SPEED_PATH = os.path.join(CONFIG_DIR, "speed.json")
 
 #: run status (status.json) -> results-table status
 RESULT_STATUS = {"done": "ok", "pending": "failed"}
@@ -91,6 +106,15 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None) -> 
     return out
 
 
+class TableResults(list):
+    """The rows :func:`run_table` wrote (a list, as before), with the ``runs`` of the table and
+    the ``failed`` ones: ``[(run, reason, log path)]`` (a diverged run is a result, not a failure)."""
+
+    def __init__(self, rows: List[dict], runs: List[Run], failed: List[Tuple[Run, str, str]]):
+        super().__init__(rows)
+        self.runs, self.failed = runs, failed
+
+
 def figure_logs(runs: List[Run], pairs: Sequence[str]) -> Dict[str, List[str]]:
     """{figure label: the train.log of each of its seeds}: one label per row (per row and pair
     when the table runs several pairs); figures draw several seeds as a band."""
@@ -102,22 +126,155 @@ def figure_logs(runs: List[Run], pairs: Sequence[str]) -> Dict[str, List[str]]:
     return logs
 
 
-def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str, results_dir: str,
-              rows: List[str] = (), extra_train: List[str] = (), echo: Callable[[str], None] = print) -> List[dict]:
-    runs = plan_runs(table, pairs, data_dirs, runs_dir, rows)
-    echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {len(runs) // len(pairs)} rows)")
-    for index, run in enumerate(runs, 1):
-        echo(f"[reproduce] run {index}/{len(runs)}: {run.label}")
-        train(run, extra_train, echo=echo)
-        evaluate(run, echo=echo)
+def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[[str], None] = print) -> List[dict]:
+    """results.csv, results.md and the figures from whatever the runs' folders hold now."""
     results = result_rows(table, runs)
     os.makedirs(results_dir, exist_ok=True)
     tables.write_results(results, results_dir, title=table.title)
+    pairs = list(dict.fromkeys(run.pair for run in runs))
     for name, outcome in figures.make_figures(figures.load_logs(figure_logs(runs, pairs)), results_dir).items():
         echo(f"[reproduce] figure {name}: {outcome}")
     echo(f"[reproduce] results: {os.path.join(results_dir, 'results.md')}, "
          f"{os.path.join(results_dir, 'results.csv')}")
     return results
+
+
+def failed_runs(runs: List[Run], logs: Optional[Dict[str, str]] = None) -> List[Tuple[Run, str, str]]:
+    """(run, why, log) of every run that has no result (a diverged run has one)."""
+    out = []
+    for run in runs:
+        reason = launchers.failure_of(run)
+        if reason is not None:
+            out.append((run, reason, (logs or {}).get(run.run_dir) or run.path("train.log")))
+    return out
+
+
+def report_failures(failed: List[Tuple[Run, str, str]], echo: Callable[[str], None] = print) -> None:
+    """The last lines of a table with failed runs: each one, why, and its log."""
+    if failed:
+        echo(f"[reproduce] {len(failed)} run(s) FAILED:")
+        for run, reason, log in failed:
+            echo(f"[reproduce] FAILED {run.label}: {reason}; log: {log}")
+
+
+def check_batching(runs: List[Run], extra_train: Sequence[str]) -> None:
+    """Every run's training command, built once before anything runs: a tokens per update
+    that cannot be reached on its devices is refused here (NormplugError)."""
+    for run in runs:
+        run.train_command(list(extra_train))
+
+
+def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str, results_dir: str,
+              rows: List[str] = (), extra_train: List[str] = (), echo: Callable[[str], None] = print,
+              seeds: Sequence[int] = (1,), launcher=None, echo_failures: bool = True) -> TableResults:
+    """Train and evaluate every (pair, row, seed) run of ``table`` with ``launcher`` (default:
+    this machine, one run after another), then write the results table and figures; the last
+    lines name the failed runs (``echo_failures=False``: the caller does)."""
+    launcher = launcher or launchers.LocalLauncher()
+    runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, rows, seeds))
+    check_batching(runs, extra_train)
+    per_pair = len(runs) // len(pairs)
+    shape = f"{per_pair} rows" if len(seeds) == 1 else f"{per_pair // len(seeds)} rows x {len(seeds)} seeds"
+    echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {shape})")
+    launcher.execute(runs, extra_train, echo)
+    results = write_table(table, runs, results_dir, echo)
+    failed = failed_runs(runs, launcher.logs)
+    if echo_failures:
+        report_failures(failed, echo)
+    return TableResults(results, runs, failed)
+
+
+def load_speeds(path: str = SPEED_PATH) -> dict:
+    """configs/speed.json: {arch: {device kind: {"target_tokens_per_second": N, "measured": ...}}}."""
+    with open(path, encoding="utf-8") as f:
+        return {arch: kinds for arch, kinds in json.load(f).items() if not arch.startswith("_")}
+
+
+def cost_estimate(run: Run, command: List[str], batching, speeds: dict) -> Optional[Tuple[float, str]]:
+    """(hours, explanation) of training ``run`` at a measured speed, or None without one."""
+    kind = "gpu" if run.num_devices or torch.cuda.is_available() else "cpu"
+    speed = speeds.get(run.recipe.arch, {}).get(kind)
+    updates = last_flag_value(command, "--max-update")
+    if not speed or not updates:
+        return None
+    per_second = speed["target_tokens_per_second"] * (batching.devices if kind == "gpu" else 1)
+    hours = int(updates) * batching.tokens_per_update / per_second / 3600
+    return hours, (f"at most {int(updates)} updates x {batching.tokens_per_update} tokens at "
+                   f"{per_second:,.0f} target tokens/s ({run.recipe.arch} on {kind}: {speed['measured']}) "
+                   f"= {hours:.2f} hours of training")
+
+
+def print_commands(runs: List[Run], launcher, extra_train: Sequence[str], echo: Callable[[str], None] = print) -> None:
+    """Every fairseq-train and fairseq-generate command of the runs, with run folder, seed,
+    devices, tokens per update and a cost estimate; runs nothing, writes nothing."""
+    speeds, total, unestimated = load_speeds(), 0.0, 0
+    if isinstance(launcher, launchers.SlurmLauncher):
+        echo(f"[print-commands] SLURM: {launcher.describe_submission()}")
+    for run in runs:
+        command = run.train_command(list(extra_train))
+        batching = command_batching(command, run.num_devices)
+        env = " ".join(f"{key}={value}" for key, value in launcher.env_prefix(run).items())
+        estimate = cost_estimate(run, command, batching, speeds)
+        echo(f"[{run.label}]")
+        echo(f"  run folder: {run.run_dir}")
+        echo(f"  seed {run.seed}; devices: {launcher.describe_devices(run)}; {batching.describe()}")
+        echo(f"  train: {(env + ' ') if env else ''}{shlex.join(command)}")
+        echo(f"  test:  {(env + ' ') if env else ''}"
+             f"{shlex.join(generate_command(run, run.path('checkpoints', 'checkpoint_best.pt')))}")
+        if estimate:
+            total += estimate[0]
+            echo(f"  cost: {estimate[1]}")
+        else:
+            unestimated += 1
+            echo(f"  cost: no measured speed for {run.recipe.arch} on this device kind (configs/speed.json)")
+    estimated = len(runs) - unestimated
+    summary = f"{len(runs)} runs, nothing was run"
+    if estimated:
+        summary += (f"; estimated training time of the {estimated} run(s) with a measured speed: {total:.2f} hours "
+                    f"one after another (less with --jobs; decoding not included)")
+    echo(f"[print-commands] {summary}")
+
+
+def run_state(run: Run) -> dict:
+    """A run's state from its folder: state, last update, best dev BLEU so far, elapsed minutes."""
+    status = run.status()
+    state = status["status"]
+    if state == "done":
+        state = "tested" if read_json(run.path("scores.json")) is not None else "trained"
+    log = run.path("train.log")
+    last_update, best = None, None
+    if os.path.exists(log):
+        parsed = parse_training_log(log)
+        last_update = parsed.last_update
+        bleu_values = parsed.series("valid", "valid_bleu")[1]
+        best = max(bleu_values) if bleu_values else None
+        valid_updates = parsed.series("valid", "valid_num_updates")[0]
+        if valid_updates and (last_update is None or valid_updates[-1] > last_update):
+            last_update = int(valid_updates[-1])
+    minutes = status.get("minutes") or 0.0
+    if state == "running" and os.path.exists(run.path("status.json")):
+        minutes += (time.time() - os.path.getmtime(run.path("status.json"))) / 60
+    return {"run": run.label, "state": state, "last update": last_update, "best dev BLEU": best,
+            "elapsed": minutes if state != "pending" else None}
+
+
+def print_status(runs: List[Run], echo: Callable[[str], None] = print) -> List[dict]:
+    """One line per run: state, last update, best dev BLEU so far, elapsed time."""
+    states = [run_state(run) for run in runs]
+    cells = [[s["run"], s["state"], "-" if s["last update"] is None else str(s["last update"]),
+              "-" if s["best dev BLEU"] is None else f"{s['best dev BLEU']:.2f}",
+              "-" if s["elapsed"] is None else f"{s['elapsed']:.1f} min"] for s in states]
+    header = ["run", "state", "last update", "best dev BLEU", "elapsed"]
+    widths = [max(len(row[i]) for row in cells + [header]) for i in range(len(header))]
+    for row in [header] + cells:
+        echo("  ".join(cell.ljust(width) if i < 2 else cell.rjust(width)
+                       for i, (cell, width) in enumerate(zip(row, widths))).rstrip())
+    counts = {}
+    for s in states:
+        counts[s["state"]] = counts.get(s["state"], 0) + 1
+    echo(f"[status] {len(runs)} runs: " + ", ".join(f"{n} {state}" for state, n in counts.items())
+         + " (running: also a run whose process was killed, until it is re-run)")
+    return states
 
 
 def parse_data_overrides(values: List[str]) -> Dict[str, str]:
@@ -130,28 +287,113 @@ def parse_data_overrides(values: List[str]) -> Dict[str, str]:
     return out
 
 
-def main(argv=None):
+def make_launcher(args, runs_dir: str, table: Table):
+    """The launcher the options ask for (checked before anything runs)."""
+    if args.launcher == "slurm":
+        if args.print_commands is False and args.status is False and args.collect is False:
+            launchers.import_submitit()
+        return launchers.SlurmLauncher(
+            folder=args.slurm_folder or os.path.join(runs_dir, table.name, "slurm"), partition=args.partition,
+            time_limit_min=args.time_limit, gpus_per_run=1 if args.devices_per_run is None else args.devices_per_run,
+            cpus_per_run=args.cpus_per_run, mem=args.mem, account=args.account,
+            sbatch=launchers.parse_sbatch(args.sbatch), jobs=args.jobs, max_requeues=args.max_requeues)
+    slurm_only = [f"--{name.replace('_', '-')}" for name in ("partition", "mem", "account", "slurm_folder")
+                  if getattr(args, name) is not None] + (["--sbatch"] if args.sbatch else [])
+    if slurm_only:
+        raise NormplugError(f"{slurm_only[0]} is an option of --launcher slurm (the launcher is local)")
+    return launchers.LocalLauncher(jobs=1 if args.jobs is None else args.jobs, devices_per_run=args.devices_per_run,
+                                   cpus_per_run=args.cpus_per_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reproduce.sh", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=f"tables: {', '.join(available_tables())}")
+                                     epilog=f"tables: {', '.join(available_tables())}; "
+                                            f"docs/experiments.md has examples")
     parser.add_argument("table", help="table to run, e.g. table3")
     parser.add_argument("pairs", nargs="*", help="language pairs (default: all of the table's)")
     parser.add_argument("--data", action="append", default=[], metavar="PAIR=DIR",
                         help="prepared data folder of a pair (default: configs/data.json)")
     parser.add_argument("--rows", nargs="+", default=[], metavar="NAME", help="only these rows")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="N",
+                        help="train every cell with each seed, each in its own run folder (default: 1)")
     parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs"))
     parser.add_argument("--results-dir", help="default: results/TABLE")
     parser.add_argument("--train-flags", default="", help="extra fairseq-train flags, one string")
-    args = parser.parse_args(argv)
+    what = parser.add_argument_group("instead of running the table")
+    what.add_argument("--print-commands", action="store_true",
+                      help="print every fairseq-train/-generate command with its run folder, seed, devices, "
+                           "tokens per update and a cost estimate; run nothing")
+    what.add_argument("--status", action="store_true",
+                      help="print each run's state, last update, best dev BLEU so far and elapsed time")
+    what.add_argument("--collect", action="store_true",
+                      help="write results.{csv,md} and the figures from the runs that have finished so far")
+    where = parser.add_argument_group("where the runs run")
+    where.add_argument("--launcher", choices=launchers.LAUNCHERS, default="local",
+                       help="local: this machine (default); slurm: one SLURM job per run (submitit)")
+    where.add_argument("--jobs", type=int, metavar="N",
+                       help="runs at once (local default 1; slurm: at most N jobs of the array at once)")
+    where.add_argument("--devices-per-run", "--gpus-per-run", type=int, metavar="K", dest="devices_per_run",
+                       help="GPUs of each run (local: its own CUDA_VISIBLE_DEVICES slot, default the GPUs "
+                            "divided by --jobs; slurm: --gpus-per-node, default 1, 0 for CPU jobs)")
+    where.add_argument("--cpus-per-run", type=int, metavar="N",
+                       help="CPU threads of each run (OMP_NUM_THREADS; local default: the cores divided by "
+                            "--jobs when --jobs > 1; slurm: --cpus-per-task)")
+    slurm = parser.add_argument_group("--launcher slurm")
+    slurm.add_argument("--partition", help="SLURM partition")
+    slurm.add_argument("--time-limit", type=int, default=1440, metavar="MINUTES",
+                       help="time limit of each job (default 1440 = 24 h); a run that needs longer is requeued "
+                            "and resumes from its last checkpoint")
+    slurm.add_argument("--mem", help="memory of each job, as sbatch takes it (e.g. 64G)")
+    slurm.add_argument("--account", help="SLURM account")
+    slurm.add_argument("--sbatch", action="append", default=[], metavar="KEY=VALUE",
+                       help="any other sbatch option, without its dashes (e.g. --sbatch qos=high --sbatch exclusive "
+                            "--sbatch constraint=volta32gb); repeatable")
+    slurm.add_argument("--max-requeues", type=int, default=10, metavar="N",
+                       help="times a job may reach its time limit and be requeued (default 10; "
+                            "preemptions do not count)")
+    slurm.add_argument("--slurm-folder", metavar="DIR", help="submitit's job logs (default RUNS_DIR/TABLE/slurm)")
+    return parser
+
+
+def main(argv=None):
+    """reproduce.sh; exits 1 when any run failed (a diverged run is a result: exit 0)."""
+    args = build_parser().parse_args(argv)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    modes = [flag for flag in ("print_commands", "status", "collect") if getattr(args, flag)]
     try:
+        if len(modes) > 1:
+            raise NormplugError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} "
+                                f"exclude each other; pick one")
+        if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+            raise NormplugError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
         table = load_table(args.table)
         data_dirs = {**load_data_locations(), **parse_data_overrides(args.data)}
-        run_table(table, args.pairs or table.pairs, data_dirs, args.runs_dir,
-                  args.results_dir or os.path.join(REPO, "results", table.name), args.rows,
-                  args.train_flags.split())
+        pairs = args.pairs or table.pairs
+        results_dir = args.results_dir or os.path.join(REPO, "results", table.name)
+        runs_dir = os.path.abspath(args.runs_dir)
+        extra = args.train_flags.split()
+        launcher = make_launcher(args, runs_dir, table)
+        if modes:
+            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, args.seeds))
+            if args.print_commands:
+                print_commands(runs, launcher, extra)
+            elif args.status:
+                print_status(runs)
+            else:
+                write_table(table, runs, results_dir)
+                finished = sum(launchers.failure_of(run) is None for run in runs)
+                print(f"[reproduce] collected {finished} of {len(runs)} runs with a result")
+            return
+        results = run_table(table, pairs, data_dirs, runs_dir, results_dir, args.rows, extra,
+                            seeds=args.seeds, launcher=launcher)
     except NormplugError as error:
         sys.exit(f"reproduce.sh: error: {error}")
+    except KeyboardInterrupt:
+        sys.exit("reproduce.sh: interrupted; re-run the same command to resume (SLURM jobs keep running: "
+                 "--status, --collect)")
+    if results.failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,13 @@ What the runner adds to every recipe (docs/fidelity.md):
   bounds the disk (the numbered interval file is deleted once training is done).
 * **Post-processing from the manifest.** ``--eval-bleu-remove-bpe`` and ``--remove-bpe`` are
   the data folder's ``subword_method`` (manifest.json).
-* **Tokens per update.** A recipe with ``tokens_per_update`` gets ``--update-freq`` =
-  ceil(tokens_per_update / (--max-tokens x world size)).
+* **Tokens per update.** A recipe's ``tokens_per_update`` is reached exactly on any number of
+  devices: the runner splits it evenly over the run's devices and sets ``--max-tokens`` per
+  device (at most the recipe's ``--max-tokens``) and ``--update-freq`` (:func:`plan_batching`);
+  a device count that cannot reach it is refused with one line before anything is trained.
+* **Devices and threads.** A run's ``devices`` (``CUDA_VISIBLE_DEVICES``), ``num_devices`` and
+  ``threads`` (``OMP_NUM_THREADS``) are set by its launcher (experiments/launchers.py); unset,
+  a run uses what its process sees, as fairseq-train does.
 
 Everything is resumable: a finished run is skipped, an interrupted one continues from
 ``checkpoint_last.pt``, and a run whose loss or gradients became NaN/Inf is recorded as
@@ -46,7 +51,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -146,18 +151,83 @@ def checkpoint_selection_flags(flags: List[str]) -> List[str]:
     return ["--save-interval-updates", interval, "--keep-interval-updates", "1"]
 
 
-def world_size(flags: List[str]) -> int:
-    """Devices fairseq-train will use: --distributed-world-size, else every visible GPU, else 1."""
+def world_size(flags: List[str], planned: Optional[int] = None) -> int:
+    """Devices fairseq-train will use: --distributed-world-size, else the run's planned device
+    count, else every visible GPU, else 1."""
     given = last_flag_value(flags, "--distributed-world-size")
-    return int(given) if given else max(1, torch.cuda.device_count())
+    if given:
+        return int(given)
+    return planned if planned is not None else max(1, torch.cuda.device_count())
 
 
-def update_freq_flags(recipe: Recipe, flags: List[str]) -> List[str]:
-    """``--update-freq`` reaching the recipe's ``tokens_per_update`` on this world size."""
+@dataclass(frozen=True)
+class Batching:
+    """How one update is made: ``max_tokens`` per batch on each of ``devices`` devices, summed
+    over ``update_freq`` batches (fairseq's --max-tokens, world size, --update-freq)."""
+
+    max_tokens: int
+    devices: int
+    update_freq: int
+
+    @property
+    def tokens_per_update(self) -> int:
+        return self.max_tokens * self.devices * self.update_freq
+
+    def describe(self) -> str:
+        plural = "s" if self.devices != 1 else ""
+        return (f"{self.tokens_per_update} tokens per update (--max-tokens {self.max_tokens} x "
+                f"{self.devices} device{plural} x --update-freq {self.update_freq})")
+
+
+def plan_batching(tokens_per_update: int, device_max_tokens: int, devices: int, recipe: str = "") -> Batching:
+    """The batching that reaches ``tokens_per_update`` exactly on ``devices`` devices: each
+    device's share is split into the fewest batches of at most ``device_max_tokens`` (the
+    recipe's --max-tokens, what one device holds) that divide it evenly; a share split into
+    more than twice the fewest batches possible counts as unreachable. Raises
+    :class:`NormplugError` naming the values and device counts that work."""
+    where = f"recipe {recipe!r}: " if recipe else ""
+
+    def reachable(count: int) -> bool:
+        if tokens_per_update % count:
+            return False
+        share = tokens_per_update // count
+        fewest = math.ceil(share / device_max_tokens)
+        return any(share % freq == 0 for freq in range(fewest, 2 * fewest + 1))
+
+    if devices < 1 or not reachable(devices):
+        working = [str(count) for count in range(1, 65) if reachable(count)][:8]
+        why = (f"{tokens_per_update} is not a multiple of {devices}" if devices >= 1 and tokens_per_update % devices
+               else f"no split of {tokens_per_update // max(devices, 1)} tokens per device into batches of at most "
+                    f"{device_max_tokens}")
+        raise NormplugError(f"{where}{tokens_per_update} tokens per update cannot be reached exactly on {devices} "
+                            f"device(s) ({why}); device counts that work: {', '.join(working) or 'none'}")
+    share = tokens_per_update // devices
+    freq = math.ceil(share / device_max_tokens)
+    while share % freq:
+        freq += 1
+    return Batching(max_tokens=share // freq, devices=devices, update_freq=freq)
+
+
+def batching_flags(recipe: Recipe, flags: List[str], devices: int) -> List[str]:
+    """``--max-tokens``/``--update-freq`` reaching the recipe's ``tokens_per_update`` on
+    ``devices`` devices, given the recipe's (and row's) ``flags`` (none for a recipe without it)."""
     if recipe.tokens_per_update is None:
         return []
-    max_tokens = int(last_flag_value(flags, "--max-tokens"))
-    return ["--update-freq", str(math.ceil(recipe.tokens_per_update / (max_tokens * world_size(flags))))]
+    given = last_flag_value(flags, "--max-tokens")
+    if given is None:
+        raise NormplugError(f"recipe {recipe.name!r} has tokens_per_update but no --max-tokens (the most "
+                            f"tokens one device holds); add it to its 'train' flags")
+    batching = plan_batching(recipe.tokens_per_update, int(given), devices, recipe.name)
+    return ["--max-tokens", str(batching.max_tokens), "--update-freq", str(batching.update_freq)]
+
+
+def command_batching(command: List[str], planned_devices: Optional[int] = None) -> Batching:
+    """The batching a fairseq-train command trains with (the last occurrence of each flag)."""
+    max_tokens = last_flag_value(command, "--max-tokens")
+    if max_tokens is None:
+        raise NormplugError("the training command has no --max-tokens, so its tokens per update are unknown")
+    return Batching(max_tokens=int(max_tokens), devices=world_size(command, planned_devices),
+                    update_freq=int(last_flag_value(command, "--update-freq") or 1))
 
 
 @dataclass
@@ -170,6 +240,12 @@ class Run:
     data_dir: str
     run_dir: str
     seed: int = 1
+    #: CUDA_VISIBLE_DEVICES of the run's processes (None: inherited)
+    devices: Optional[str] = None
+    #: the devices it trains on, for its tokens per update (None: what fairseq-train sees)
+    num_devices: Optional[int] = None
+    #: OMP_NUM_THREADS / torch threads of its processes (None: inherited)
+    threads: Optional[int] = None
 
     @property
     def src(self) -> str:
@@ -201,7 +277,18 @@ class Run:
         return status
 
     def device_flags(self) -> List[str]:
-        return [] if torch.cuda.is_available() else ["--cpu"]
+        return [] if self.num_devices or torch.cuda.is_available() else ["--cpu"]
+
+    def env(self) -> Dict[str, str]:
+        """The environment variables the run's launcher sets for its processes."""
+        env = {} if self.devices is None else {"CUDA_VISIBLE_DEVICES": self.devices}
+        if self.threads is not None:
+            env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        return env
+
+    def batching(self, extra: List[str] = ()) -> Batching:
+        """The tokens per update its training command trains with."""
+        return command_batching(self.train_command(list(extra)), self.num_devices)
 
     def train_command(self, extra: List[str] = ()) -> List[str]:
         recipe = self.recipe
@@ -212,7 +299,7 @@ class Run:
                    "--arch", recipe.arch, *flags, *dev_bleu_flags(recipe.decoding, subword_method(self.data_dir)),
                    "--save-dir", self.path("checkpoints"), "--no-epoch-checkpoints", "--seed", str(self.seed),
                    "--log-format", "json", "--num-workers", "0", *ALL_BATCHES, *self.device_flags(),
-                   *update_freq_flags(recipe, flags + list(extra)), *extra]
+                   *batching_flags(recipe, flags, world_size(flags + list(extra), self.num_devices)), *extra]
         return command + checkpoint_selection_flags(command)
 
 
@@ -279,7 +366,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     _end_last_line(run.path("train.log"))
     with open(run.path("train.log"), "a", encoding="utf-8", buffering=1) as log:  # line by line: kept on a kill
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, **run.env(), "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
             log.write(line)
             tail = (tail + [line])[-200:]
@@ -376,7 +463,7 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
     command = generate_command(run, checkpoint)
     echo(f"[{run.label}] translating the test set")
     with open(tmp, "w", encoding="utf-8") as out:
-        proc = subprocess.run(command, stdout=out, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.run(command, stdout=out, stderr=subprocess.PIPE, text=True, env={**os.environ, **run.env()})
     if proc.returncode != 0:
         raise NormplugError(f"fairseq-generate failed for {run.label}: {proc.stderr.strip().splitlines()[-1]}")
     os.replace(tmp, output)
