@@ -312,6 +312,23 @@ def test_print_commands_prints_every_command_and_runs_nothing(fake_data, tmp_pat
                                                    "time of the 6 run(s) with a measured speed: 0.61 hours")
 
 
+def test_print_commands_of_the_paper_recipe_before_the_data_is_prepared(tmp_path, capsys):
+    """Issue 19's check: table3 gl-en on one device trains with --max-tokens 4096, one joint
+    embedding, Adam (0.9, 0.999) and decodes up to source + 50; nothing needs preparing first."""
+    runs_dir = tmp_path / "runs"
+    reproduce.main(["table3", "gl-en", "--data", f"gl-en={tmp_path / 'not-prepared'}", "--runs-dir", str(runs_dir),
+                    "--rows", "PreNorm + FixNorm + ScaleNorm", "--print-commands"])
+    out = capsys.readouterr().out
+    assert not runs_dir.exists() and not (tmp_path / "not-prepared").exists()
+    assert "is not prepared yet" in out and "4096 tokens per update (--max-tokens 4096 x 1 device x --update-freq 1)" in out
+    train = next(line for line in out.splitlines() if line.startswith("  train: "))
+    test = next(line for line in out.splitlines() if line.startswith("  test: "))
+    for flags in ("--share-all-embeddings", "--adam-betas '(0.9, 0.999)'", "--target-vocab-mask",
+                  '--eval-bleu-args \'{"beam": 4, "max_len_a": 1, "max_len_b": 50}\'', "--gnmt-search"):
+        assert flags in train
+    assert "--beam 4 --max-len-a 1 --max-len-b 50 --gnmt-alpha 0.6 --gnmt-search" in test
+
+
 def test_print_commands_shows_the_slurm_submission(fake_data, tmp_path, capsys):
     reproduce.main(["demo", "--data", f"src-tgt={fake_data}", "--runs-dir", str(tmp_path / "runs"),
                     "--rows", "PreNorm + DyT", "--launcher", "slurm", "--partition", "gpu", "--time-limit", "600",

@@ -37,8 +37,10 @@ RESULT_STATUS = {"done": "ok", "pending": "failed"}
 
 
 def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str,
-              rows: List[str] = (), seeds: Sequence[int] = (1,)) -> List[Run]:
-    """All (pair, row, seed) runs, after checking every input (nothing is trained on bad input)."""
+              rows: List[str] = (), seeds: Sequence[int] = (1,), check_data: bool = True) -> List[Run]:
+    """All (pair, row, seed) runs, after checking every input (nothing is trained on bad input).
+    ``check_data=False`` (``--print-commands``) accepts a data folder not prepared yet: its
+    commands are printed as the prepare scripts' default (subword-nmt) would make them."""
     selected = [table.row(name) for name in rows] if rows else table.rows
     runs = []
     for pair in pairs:
@@ -46,11 +48,16 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
             raise NormplugError(f"bad language pair {pair!r}; write it as SRC-TGT, e.g. {table.pairs[0]}")
         if pair not in data_dirs:
             raise NormplugError(f"no data folder for {pair}: pass --data {pair}=DIR or add it to configs/data.json")
-        check_data_dir(data_dirs[pair], pair)
+        assumed = None
+        if check_data or os.path.exists(os.path.join(data_dirs[pair], "manifest.json")):
+            check_data_dir(data_dirs[pair], pair)
+        else:
+            assumed = "subword_nmt"
         for row in selected:
             for seed in seeds:
                 runs.append(Run(table=table, row=row, pair=pair, data_dir=data_dirs[pair], seed=seed,
-                                run_dir=run_folder(runs_dir, table.name, pair, row.name, seed)))
+                                run_dir=run_folder(runs_dir, table.name, pair, row.name, seed),
+                                assumed_subword=assumed))
     return runs
 
 
@@ -216,6 +223,9 @@ def print_commands(runs: List[Run], launcher, extra_train: Sequence[str], echo: 
         env = " ".join(f"{key}={value}" for key, value in launcher.env_prefix(run).items())
         estimate = cost_estimate(run, command, batching, speeds)
         echo(f"[{run.label}]")
+        if run.assumed_subword:
+            echo(f"  data: {run.data_dir} is not prepared yet (scripts/prepare_*.sh); commands shown "
+                 f"for its default subword method, {run.assumed_subword}")
         echo(f"  run folder: {run.run_dir}")
         echo(f"  seed {run.seed}; devices: {launcher.describe_devices(run)}; {batching.describe()}")
         echo(f"  train: {(env + ' ') if env else ''}{shlex.join(command)}")
@@ -375,7 +385,8 @@ def main(argv=None):
         extra = args.train_flags.split()
         launcher = make_launcher(args, runs_dir, table)
         if modes:
-            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, args.seeds))
+            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, args.seeds,
+                                              check_data=not args.print_commands))
             if args.print_commands:
                 print_commands(runs, launcher, extra)
             elif args.status:

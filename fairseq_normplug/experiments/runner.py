@@ -240,6 +240,8 @@ class Run:
     data_dir: str
     run_dir: str
     seed: int = 1
+    #: subword method of a data folder not prepared yet (only for printing its commands)
+    assumed_subword: Optional[str] = None
     #: CUDA_VISIBLE_DEVICES of the run's processes (None: inherited)
     devices: Optional[str] = None
     #: the devices it trains on, for its tokens per update (None: what fairseq-train sees)
@@ -296,7 +298,7 @@ class Run:
         flags = [*recipe.train, *scaled_schedule_flags(schedule, recipe), *self.row.model, *self.row.train]
         command = [os.path.join(BIN_DIR, "fairseq-train"), os.path.join(self.data_dir, "bin"),
                    "--user-dir", USER_DIR, *TASK, "--source-lang", self.src, "--target-lang", self.tgt,
-                   "--arch", recipe.arch, *flags, *dev_bleu_flags(recipe.decoding, subword_method(self.data_dir)),
+                   "--arch", recipe.arch, *flags, *dev_bleu_flags(recipe.decoding, subword_method(self.data_dir, self.assumed_subword)),
                    "--save-dir", self.path("checkpoints"), "--no-epoch-checkpoints", "--seed", str(self.seed),
                    "--log-format", "json", "--num-workers", "0", *ALL_BATCHES, *self.device_flags(),
                    *batching_flags(recipe, flags, world_size(flags + list(extra), self.num_devices)), *extra]
@@ -412,11 +414,14 @@ def last_num_updates(log_path: str) -> Optional[int]:
     return found
 
 
-def subword_method(data_dir: str) -> str:
+def subword_method(data_dir: str, assumed: Optional[str] = None) -> str:
     """The data folder's subword method (``subword_nmt`` or ``sentencepiece``): the manifest's
     ``subword_method`` field, or for manifests written before it existed their ``recipe.bpe``.
-    It is also fairseq's post-processing name (--remove-bpe, --eval-bleu-remove-bpe)."""
+    It is also fairseq's post-processing name (--remove-bpe, --eval-bleu-remove-bpe).
+    ``assumed`` is returned for a folder not prepared yet (``--print-commands`` before the data)."""
     manifest = read_json(os.path.join(data_dir, "manifest.json"))
+    if manifest is None and assumed is not None:
+        return assumed
     if manifest is None:
         raise NormplugError(f"{data_dir} has no readable manifest.json to tell its subword method; "
                             f"prepare it with scripts/prepare_*.sh (docs/data.md)")
@@ -439,7 +444,7 @@ def generate_command(run: Run, checkpoint: str, subset: str = "test") -> List[st
     return [os.path.join(BIN_DIR, "fairseq-generate"), os.path.join(run.data_dir, "bin"),
             "--user-dir", USER_DIR, *TASK, "--source-lang", run.src, "--target-lang", run.tgt,
             "--path", checkpoint, "--gen-subset", subset,
-            *test_decoding_flags(run.recipe.decoding, subword_method(run.data_dir)),
+            *test_decoding_flags(run.recipe.decoding, subword_method(run.data_dir, run.assumed_subword)),
             *run.recipe.generate, *ALL_BATCHES, *run.device_flags()]
 
 
