@@ -408,3 +408,16 @@ def test_collect_writes_the_table_from_what_has_finished(fake_data, tmp_path, ca
     assert "collected 0 of 3 runs with a result" in capsys.readouterr().out
     with open(results / "results.csv", encoding="utf-8") as f:
         assert [row["status"] for row in csv.DictReader(f)] == ["failed", "failed", "failed"]
+
+
+def test_demo_trains_every_seed_with_the_jobs_asked_for(fake_data, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(demo, "prepare", lambda raw, src, tgt, dest, *rest: fake_data)
+    monkeypatch.setattr(demo, "corpus_folder", lambda *args: "corpus-00000000")
+    monkeypatch.setattr(demo, "run_table", lambda *args, **kw: calls.append(kw) or reproduce.TableResults([], [], []))
+    demo.main(["--corpus", str(tmp_path), "--src", "src", "--tgt", "tgt", "--out", str(tmp_path / "out"),
+               "--seeds", "1", "2", "3", "--jobs", "2"])
+    assert list(calls[0]["seeds"]) == [1, 2, 3] and calls[0]["launcher"].jobs == 2
+    with pytest.raises(SystemExit):  # a repeated seed is refused before anything runs
+        demo.main(["--seeds", "1", "1"])
+    assert len(calls) == 1

@@ -24,6 +24,7 @@ import sys
 import time
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments import launchers
 from fairseq_normplug.experiments.configs import REPO, load_recipes, load_table
 from fairseq_normplug.experiments.reproduce import report_failures, run_table
 from fairseq_normplug.prepare import corpus as prepare_corpus
@@ -69,6 +70,10 @@ def main(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
                         help="size: small (default, ~10 min on 2 cores) or tiny (a few minutes)")
     parser.add_argument("--bpe-merges", type=int, default=4000, help="joint BPE merges (default 4000)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], metavar="N",
+                        help="train every row with each of these seeds (default: 1); cells show mean ± sd")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N",
+                        help="runs at once on this machine, the cores shared among them (default 1)")
     parser.add_argument("--out", default=os.path.join(REPO, "results", "demo"),
                         help="output folder: results.csv, results.md, PNG figures (default results/demo)")
     args = parser.parse_args(argv)
@@ -76,8 +81,11 @@ def main(argv=None):
         parser.error("--corpus needs --src and --tgt")
     if not args.corpus and (args.src or args.tgt):
         parser.error("--src/--tgt describe --corpus; pass --corpus too")
+    if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
+        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
     started = time.time()
     try:
+        launcher = launchers.LocalLauncher(jobs=args.jobs)
         if args.corpus:
             raw, src, tgt, tokenized = args.corpus, args.src, args.tgt, args.tokenized
             name = prepare_corpus.corpus_name(raw)
@@ -94,7 +102,7 @@ def main(argv=None):
         table = dataclasses.replace(table, recipe=load_recipes()[PRESETS[args.preset]], pairs=[pair],
                                     title=f"{table.title} ({name}, preset {args.preset})")
         results = run_table(table, [pair], {pair: data_dir}, os.path.join(args.out, "runs"), args.out,
-                            echo_failures=False)
+                            echo_failures=False, seeds=args.seeds, launcher=launcher)
     except NormplugError as error:
         sys.exit(f"demo.sh: error: {error}")
     failed = getattr(results, "failed", None) or []
