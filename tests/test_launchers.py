@@ -52,6 +52,15 @@ def fake_data(tmp_path):
     return str(data)
 
 
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    """This machine as a CPU-only one, whatever it has (the tests' expectations are CPU's)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 def demo_runs(data_dir: str, runs_dir: str, seeds=(1,)):
     return reproduce.plan_runs(load_table("demo"), ["src-tgt"], {"src-tgt": data_dir}, runs_dir, seeds=seeds)
 
@@ -145,7 +154,7 @@ FAILING = {"title": "A diverging and a failing row", "recipe": "test_orch", "pai
 
 @pytest.fixture(scope="module")
 def orch(tiny_raw, tiny_bin, tmp_path_factory):
-    """Config folder with the two tiny tables, and a prepared data folder on the tiny corpus."""
+    """Config folder with the two-row tiny table, and a prepared data folder on the tiny corpus."""
     root = tmp_path_factory.mktemp("orch")
     config_dir = root / "configs"
     shutil.copytree(CONFIG_DIR, config_dir)
@@ -153,7 +162,6 @@ def orch(tiny_raw, tiny_bin, tmp_path_factory):
     recipes["test_orch"] = RECIPE
     (config_dir / "recipes.json").write_text(json.dumps(recipes))
     (config_dir / "experiments" / "orch.json").write_text(json.dumps(TWO_ROWS))
-    (config_dir / "experiments" / "orch_failing.json").write_text(json.dumps(FAILING))
     data = root / "data"
     (data / "ref").mkdir(parents=True)
     os.symlink(tiny_bin, data / "bin")
@@ -184,12 +192,12 @@ def log_span(log_path) -> tuple:
 
 @pytest.fixture(scope="module")
 def one_job(orch):
-    return table_run(orch, "orch", LocalLauncher(jobs=1, cpus_per_run=1), "jobs1")
+    return table_run(orch, "orch", LocalLauncher(jobs=1, cpus_per_run=1, visible_devices=[]), "jobs1")
 
 
 @pytest.fixture(scope="module")
 def two_jobs(orch):
-    return table_run(orch, "orch", LocalLauncher(jobs=2, cpus_per_run=1), "jobs2")
+    return table_run(orch, "orch", LocalLauncher(jobs=2, cpus_per_run=1, visible_devices=[]), "jobs2")
 
 
 def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
@@ -255,25 +263,50 @@ def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orc
     assert sum("] job " in m and " ended: done" in m for m in messages) == 2
 
 
-def test_a_failed_run_makes_the_exit_status_non_zero_a_diverged_one_does_not(orch, monkeypatch, capsys):
-    root, config_dir, data = orch
-    monkeypatch.setattr(reproduce, "load_table", lambda name: load_table(name, config_dir))
-    args = ["orch_failing", "--data", f"src-tgt={data}", "--runs-dir", str(root / "failing" / "runs"),
-            "--results-dir", str(root / "failing" / "results"), "--jobs", "2"]
+def test_a_failed_run_makes_the_exit_status_non_zero_a_diverged_one_does_not(fake_data, tmp_path, monkeypatch,
+                                                                             capsys, cpu_machine):
+    """reproduce.sh end to end with fairseq-train stubbed (the runner's real divergence detection
+    is tests/test_experiments.py's): a row that diverges and a row whose fairseq-train fails."""
+    from fairseq_normplug.experiments import runner
+
+    config_dir = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, config_dir)
+    recipes = json.loads((config_dir / "recipes.json").read_text())
+    recipes["test_orch"] = RECIPE
+    (config_dir / "recipes.json").write_text(json.dumps(recipes))
+    (config_dir / "experiments" / "orch_failing.json").write_text(json.dumps(FAILING))
+    monkeypatch.setattr(reproduce, "load_table", lambda name: load_table(name, str(config_dir)))
+
+    class FakeTrain:
+        def __init__(self, command, **kwargs):
+            diverging = "1e4" in command
+            self.code = 1 if diverging else 2
+            self.stdout = iter(["FloatingPointError: Minimum loss scale reached (0.0001).\n"] if diverging else [
+                "usage: fairseq-train [-h]\n", "fairseq-train: error: argument --optimizer: invalid choice: "
+                "'no-such-optimizer'\n"])
+
+        def wait(self):
+            return self.code
+
+    monkeypatch.setattr(runner.subprocess, "Popen", FakeTrain)
+    runs_dir = tmp_path / "runs"
+    args = ["orch_failing", "--data", f"src-tgt={fake_data}", "--runs-dir", str(runs_dir),
+            "--results-dir", str(tmp_path / "results"), "--jobs", "2"]
     with pytest.raises(SystemExit) as exit_info:
         reproduce.main(args)
     assert exit_info.value.code == 1
     lines = capsys.readouterr().out.strip().splitlines()
-    failing_log = root / "failing" / "runs" / "orch_failing" / "src-tgt" / "failing" / "train.log"
     assert lines[-2] == "[reproduce] 1 run(s) FAILED:"
-    assert lines[-1].startswith("[reproduce] FAILED orch_failing src-tgt | Failing: training failed (exit 2)")
-    assert lines[-1].endswith(f"; log: {failing_log}") and "no-such-optimizer" in lines[-1]
-    assert "diverged" in (root / "failing" / "results" / "results.md").read_text()
+    assert lines[-1] == (f"[reproduce] FAILED orch_failing src-tgt | Failing: training failed (exit 2): fairseq-train: "
+                         f"error: argument --optimizer: invalid choice: 'no-such-optimizer'; log: "
+                         f"{runs_dir / 'orch_failing' / 'src-tgt' / 'failing' / 'train.log'}")
+    with open(tmp_path / "results" / "results.csv", encoding="utf-8") as f:
+        assert [row["status"] for row in csv.DictReader(f)] == ["diverged", "failed"]
     reproduce.main(args[:1] + ["--rows", "Diverging"] + args[1:])  # a diverged run alone: exit 0
     assert "FAILED" not in capsys.readouterr().out
 
 
-def test_demo_exits_non_zero_naming_the_failed_runs(fake_data, tmp_path, monkeypatch, capsys):
+def test_demo_exits_non_zero_naming_the_failed_runs(fake_data, tmp_path, monkeypatch, capsys, cpu_machine):
     run = demo_runs(fake_data, str(tmp_path))[0]
     outcome = []
     monkeypatch.setattr(demo, "prepare", lambda raw, src, tgt, dest, *rest: fake_data)
@@ -293,7 +326,7 @@ def test_demo_exits_non_zero_naming_the_failed_runs(fake_data, tmp_path, monkeyp
 # --------------------------------------------------------------------------- looking at a table
 
 
-def test_print_commands_prints_every_command_and_runs_nothing(fake_data, tmp_path, capsys):
+def test_print_commands_prints_every_command_and_runs_nothing(fake_data, tmp_path, capsys, cpu_machine):
     runs_dir = tmp_path / "runs"
     reproduce.main(["demo", "--data", f"src-tgt={fake_data}", "--runs-dir", str(runs_dir), "--seeds", "1", "2",
                     "--jobs", "2", "--cpus-per-run", "1", "--print-commands"])
@@ -376,7 +409,7 @@ def test_slurm_without_submitit_is_a_one_line_error(fake_data, tmp_path, monkeyp
     assert "pip install .[slurm]" in launchers.SUBMITIT_MISSING
 
 
-def test_status_shows_state_last_update_best_dev_bleu_and_elapsed_time(fake_data, tmp_path, capsys):
+def test_status_shows_state_last_update_best_dev_bleu_and_elapsed_time(fake_data, tmp_path, capsys, cpu_machine):
     runs = demo_runs(fake_data, str(tmp_path / "runs"))
     os.makedirs(runs[0].run_dir)
     runs[0].set_status(status="done", minutes=3.25, updates=300)
@@ -401,7 +434,7 @@ def test_status_shows_state_last_update_best_dev_bleu_and_elapsed_time(fake_data
     assert lines[-1].startswith("[status] 3 runs: 1 tested, 1 running, 1 pending")
 
 
-def test_collect_writes_the_table_from_what_has_finished(fake_data, tmp_path, capsys):
+def test_collect_writes_the_table_from_what_has_finished(fake_data, tmp_path, capsys, cpu_machine):
     results = tmp_path / "results"
     reproduce.main(["demo", "--data", f"src-tgt={fake_data}", "--runs-dir", str(tmp_path / "runs"),
                     "--results-dir", str(results), "--collect"])

@@ -134,7 +134,7 @@ def test_one_and_two_gloo_processes_train_with_the_same_tokens_per_update(gloo_r
     """1 process: 500-token batches, --update-freq 2; 2 gloo processes: one 500-token batch
     each. fairseq deals the shuffled batches round-robin to the ranks, so every update sums the
     same two batches: the same target tokens (wpb) and sentences (bsz) per update."""
-    quiet = ["--disable-validation", "--no-save"]
+    quiet = ["--disable-validation", "--no-save", "--cpu"]
     alone = gloo_run.train_command(quiet)
     assert (last_flag_value(alone, "--max-tokens"), last_flag_value(alone, "--update-freq")) == ("500", "2")
     port = free_port()

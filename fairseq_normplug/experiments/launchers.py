@@ -275,7 +275,7 @@ class SlurmLauncher:
         self.partition, self.time_limit_min, self.gpus_per_run = partition, time_limit_min, gpus_per_run
         self.cpus_per_run, self.mem, self.account = cpus_per_run, mem, account
         self.sbatch, self.jobs, self.max_requeues = dict(sbatch or {}), jobs, max_requeues
-        self.logs: Dict[str, str] = {}
+        self.logs: Dict[str, str] = {}  # run folder -> the log of its failed job
         self.submitted: Dict[str, object] = {}  # run folder -> submitit job
 
     def prepare(self, runs: List[Run]) -> List[Run]:
@@ -327,7 +327,6 @@ class SlurmLauncher:
         for run, job in zip(runs, jobs):
             by_id[job.job_id] = run
             self.submitted[run.run_dir] = job
-            self.logs[run.run_dir] = str(job.paths.stdout)
             echo(f"[{run.label}] job {job.job_id}: log {job.paths.stdout}")
         echo(f"[reproduce] {len(jobs)} jobs submitted; waiting for them to end (Ctrl-C leaves them running; "
              f"--status shows their progress, --collect writes the table)")
