@@ -55,9 +55,13 @@ def cli(name: str) -> str:
 
 def command_env(env=None) -> dict:
     """The environment of a test's command: this one, without a PYTHONWARNINGS that could hide
-    the plugin's warnings (unless ``env`` sets one), plus ``env``."""
+    the plugin's warnings (unless ``env`` sets one), updated by ``env`` (None: unset)."""
     out = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    out.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
     return out
 
 
