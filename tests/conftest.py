@@ -100,11 +100,12 @@ def _kill(proc) -> None:
     proc.wait()
 
 
-def run_parallel(commands, cwd=REPO, timeout=COMMAND_TIMEOUT, env=None, fallback_ok=False):
+def run_parallel(commands, cwd=REPO, timeout=COMMAND_TIMEOUT, env=None, fallback_ok=False,
+                 peers=True):
     """Run ``commands`` at the same time and return their CompletedProcess objects, in order.
-    When one fails the others are killed at once (e.g. the surviving data-parallel rank, which
-    would wait for its peer forever), and all of them when ``timeout`` seconds have passed
-    (an AssertionError with their output)."""
+    ``peers`` (the processes of one job): when one fails the others are killed at once (e.g.
+    the surviving data-parallel rank, which would wait for its peer forever). All are killed
+    when ``timeout`` seconds have passed (an AssertionError with their output)."""
     outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
     procs = [subprocess.Popen(command, cwd=cwd, env=command_env(env), stdout=out, stderr=err,
                               text=True, start_new_session=True)
@@ -113,7 +114,7 @@ def run_parallel(commands, cwd=REPO, timeout=COMMAND_TIMEOUT, env=None, fallback
     timed_out = False
     try:
         while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
+            if peers and any(p.returncode not in (None, 0) for p in procs):
                 break  # one failed: the others are killed below
             if time.monotonic() > deadline:
                 timed_out = True
