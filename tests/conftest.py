@@ -20,7 +20,8 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN_DIR = os.path.dirname(sys.executable)
-SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+#: the real corpora (read only): ../shared/data beside the checkout, or $NORMPLUG_SHARED_DATA
+SHARED_DATA = os.environ.get("NORMPLUG_SHARED_DATA") or os.path.join(os.path.dirname(REPO), "shared", "data")
 
 #: the plugin's warnings when a fast path falls back (modules/native.py, modules/fused.py)
 FALLBACK_WARNING = re.compile(r"fairseq-normplug: (native CPU norm kernels unavailable|"

@@ -125,21 +125,17 @@ def test_generate_from_checkpoint(trained, tiny_bin, name):
     assert "BLEU4" in proc.stdout + proc.stderr
 
 
-def test_interactive_and_hub_translate_like_generate(trained, tiny_bin, tiny_raw):
-    """fairseq-interactive and the hub give the hypothesis fairseq-generate gives for the same
-    test sentence (same checkpoint, beam 2), with its score."""
+def test_interactive_and_hub_give_the_same_translation(trained, tiny_bin, tiny_raw):
+    """fairseq-interactive and the hub translate a test sentence alike (same checkpoint,
+    beam 2): the same hypothesis, with a finite log-probability score."""
     save_dir, _, _ = trained["prenorm-scalenorm-fixnorm-smallinit"]
-    checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
     sentence = open(os.path.join(tiny_raw, "test.src")).readline()
-    common = ["--user-dir", USER_DIR, "--path", checkpoint, "--beam", "2", "--cpu"]
-    generated = run_cli([cli("fairseq-generate"), tiny_bin, *common, "--gen-subset", "test",
-                         "--max-tokens", "4000", "--required-batch-size-multiple", "1"]).stdout
-    _, score, text = next(line for line in generated.splitlines() if line.startswith("H-0\t")).split("\t")
-    proc = run_cli([cli("fairseq-interactive"), tiny_bin, *common, "--source-lang", "src",
+    proc = run_cli([cli("fairseq-interactive"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                    os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--cpu", "--source-lang", "src",
                     "--target-lang", "tgt"], input=sentence, timeout=300)
     (interactive,) = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-0\t")]
-    assert interactive[2] == text and text.strip()
-    assert float(interactive[1]) == pytest.approx(float(score), abs=1e-3) and float(score) < 0
+    _, score, text = interactive
+    assert text.strip() and -1e3 < float(score) < 0
 
     from fairseq_normplug.models import TransformerNormplugModel
 
@@ -284,40 +280,35 @@ def rank_parameters(dump_dir):
     return ranks[0]
 
 
-#: the TED recipe's word dropout, two micro-batches an update (its draws differ per rank and
-#: micro-batch and are seeded by the update number: tasks/translation_normplug.py)
-DATA_PARALLEL = ["--prenorm", "--scalenorm", "--task", "translation_normplug", "--word-dropout", "0.1",
-                 "--update-freq", "2"]
+#: DyT with its data-driven alpha init, and the TED recipe's word dropout with two micro-batches
+#: an update (word dropout's draws differ per rank and micro-batch and are seeded by the update
+#: number: tasks/translation_normplug.py)
+DATA_PARALLEL = ["--prenorm", "--dyt", "--dyt-alpha-init", "auto", "--task", "translation_normplug",
+                 "--word-dropout", "0.1", "--update-freq", "2"]
 
 
-def test_data_parallel_on_cpu_with_gloo_resumes_exactly(tiny_bin, tmp_path):
-    """Two CPU processes train one model data-parallel (docs/experiments.md) with word dropout
-    and --update-freq 2: the ranks hold identical parameters, and a run stopped at update 3
-    and resumed to 6 ends with exactly the parameters of an uninterrupted run to 6."""
+def test_data_parallel_on_cpu_with_gloo_agrees_and_resumes_exactly(tiny_bin, tmp_path):
+    """Two CPU processes train one model data-parallel (docs/experiments.md). The ranks see
+    different batches, yet --dyt-alpha-init auto chooses one alpha per norm for both, and
+    after every update their parameters are identical. A run stopped at update 3 and resumed
+    to 6 (no second auto init) ends with exactly the parameters of an uninterrupted run."""
     whole = train_data_parallel(tiny_bin, tmp_path / "whole", DATA_PARALLEL, 6)
+    logged = [line for line in whole[0].splitlines() if "auto init of alpha" in line]
+    assert len(logged) == 1 and "2 data-parallel ranks" in logged[0]
     assert '"train_num_updates": "6"' in whole[0]
     uninterrupted = rank_parameters(tmp_path / "whole" / "params")
+    alphas = {k: v.item() for k, v in uninterrupted.items() if k.endswith(".alpha")}
+    assert len(alphas) == 12 and all(abs(a - 0.5) > 1e-3 for a in alphas.values()), alphas
     dump = tmp_path / "resumed" / "params"
     train_data_parallel(tiny_bin, tmp_path / "resumed", DATA_PARALLEL, 3, dump_dir=dump)
     after_3 = rank_parameters(dump)
     resumed = train_data_parallel(tiny_bin, tmp_path / "resumed", DATA_PARALLEL, 6, dump_dir=dump)
     assert "@ 3 updates" in resumed[0] and '"train_num_updates": "6"' in resumed[0]
+    assert "auto init" not in resumed[0]
     final = rank_parameters(dump)
     assert any(not torch.equal(after_3[k], final[k]) for k in final)  # it trained after resuming
     for name in uninterrupted:
         assert torch.equal(final[name], uninterrupted[name]), name
-
-
-def test_auto_alpha_init_agrees_across_data_parallel_ranks(tiny_bin, tmp_path):
-    """--dyt-alpha-init auto under 2-process data parallelism: the ranks see different
-    batches, yet after the init and 3 updates their parameters are identical."""
-    outputs = train_data_parallel(
-        tiny_bin, tmp_path, ["--prenorm", "--dyt", "--dyt-alpha-init", "auto", "--no-save"], 3)
-    logged = [line for line in outputs[0].splitlines() if "auto init of alpha" in line]
-    assert len(logged) == 1 and "2 data-parallel ranks" in logged[0]
-    params = rank_parameters(tmp_path / "params")
-    alphas = {k: v.item() for k, v in params.items() if k.endswith(".alpha")}
-    assert len(alphas) == 12 and all(abs(a - 0.5) > 1e-3 for a in alphas.values()), alphas
 
 
 NEW_NORMS = {

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import REPO, assert_no_fallback, run_cli
+from conftest import REPO, assert_no_fallback, failure_report, run_cli, run_parallel
 from fairseq_normplug.experiments import configs, reproduce, single_run
 from fairseq_normplug.experiments.runner import run_folder
 
@@ -24,13 +24,19 @@ def script(name: str) -> str:
 @pytest.fixture(scope="module")
 def row_run(tiny_prepared, tmp_path_factory):
     """ROW trained by scripts/train.sh and scored by scripts/evaluate.sh, in the run folder
-    reproduce.sh uses under RUNS; returns (RUNS, run folder, train.sh, evaluate.sh outputs)."""
-    runs = tmp_path_factory.mktemp("entry") / "runs"
+    reproduce.sh uses under RUNS; returns (RUNS, run folder, train.sh, evaluate.sh outputs,
+    and the output of scripts/reproduce.sh with a bad pair, run beside train.sh)."""
+    work = tmp_path_factory.mktemp("entry")
+    runs = work / "runs"
     run_dir = run_folder(str(runs), "demo", "src-tgt", ROW)
-    trained = run_cli([script("train.sh"), "demo", ROW, tiny_prepared, "--run-dir", run_dir,
-                       "--train-flags", SMALL])
+    trained, bad_pair = run_parallel([
+        [script("train.sh"), "demo", ROW, tiny_prepared, "--run-dir", run_dir, "--train-flags", SMALL],
+        [script("reproduce.sh"), "demo", "src_tgt", "--runs-dir", str(work / "bad-runs")],
+    ], peers=False)
+    assert trained.returncode == 0, failure_report(trained)
+    bad_pair.runs_dir = work / "bad-runs"
     evaluated = run_cli([script("evaluate.sh"), "demo", ROW, tiny_prepared, "--run-dir", run_dir])
-    return runs, run_dir, trained, evaluated
+    return runs, run_dir, trained, evaluated, bad_pair
 
 
 def printed_json(stdout: str) -> dict:
@@ -46,7 +52,7 @@ def valid_records(run_dir: str):
 
 
 def test_train_sh_then_evaluate_sh(row_run, tiny_prepared):
-    _, run_dir, trained, evaluated = row_run
+    _, run_dir, trained, evaluated, _ = row_run
     status = json.loads(open(os.path.join(run_dir, "status.json")).read())
     assert status["status"] == "done" and status["updates"] == 6 and '"status": "done"' in trained.stdout
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["checkpoint_best.pt", "checkpoint_last.pt"]
@@ -80,7 +86,7 @@ def run_in_process(main, argv, capsys):
 def test_a_second_run_reads_the_results_back(row_run, tiny_prepared, capsys):
     """train.sh skips the finished run, evaluate.sh prints its stored scores (single_run's mains
     in this process: the same code as the scripts, without a second start-up)."""
-    _, run_dir, _, evaluated = row_run
+    _, run_dir, _, evaluated, _ = row_run
     log_before = open(os.path.join(run_dir, "train.log")).read()
     status, out, _ = run_in_process(single_run.train_main, ["demo", ROW, tiny_prepared, "--run-dir", run_dir],
                                     capsys)
@@ -116,7 +122,7 @@ def results_rows(results_dir) -> list:
 def test_reproduce_main_tabulates_the_finished_run(where, row_run, tiny_prepared, tmp_path, monkeypatch, capsys):
     """The finished train.sh run is found in --runs-dir and skipped, not trained again; the
     table holds its test BLEU. Data folder from --data PAIR=DIR, or from configs/data.json."""
-    runs, run_dir, _, _ = row_run
+    runs, run_dir, _, _, _ = row_run
     if where == "data.json":
         config_dir = tmp_path / "configs"
         config_dir.mkdir()
@@ -154,9 +160,9 @@ def test_reproduce_main_refuses_bad_input_before_training(argv, message, tmp_pat
     assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "results")
 
 
-def test_reproduce_sh_reports_a_bad_pair_in_one_line(tmp_path):
-    proc = run_cli([script("reproduce.sh"), "demo", "src_tgt", "--runs-dir", str(tmp_path / "runs")], check=False)
+def test_reproduce_sh_reports_a_bad_pair_in_one_line(row_run):
+    proc = row_run[4]
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "reproduce.sh: error: bad language pair 'src_tgt'; write it as SRC-TGT, e.g. src-tgt"]
-    assert not os.path.exists(tmp_path / "runs")
+    assert not os.path.exists(proc.runs_dir)

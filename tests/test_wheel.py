@@ -99,8 +99,8 @@ def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_
               "--arch transformer_normplug_tiny --prenorm --scalenorm --optimizer adam --lr 1e-3 "
               "--max-tokens 1000 --max-update 3 --cpu --num-workers 0 --no-save --disable-validation "
               "--log-format json --log-interval 1 && "
-              'python -c "import fairseq_normplug.modules.native as n, fairseq; print(n.SOURCE_PATH); '
-              'print(fairseq.__file__)"')
+              'python -c "from importlib.util import find_spec as f; print(f(\'fairseq_normplug\').origin); '
+              'print(f(\'fairseq\').origin)"')  # where they are imported from (without importing)
     proc = run_cli(["bash", "-c", script], cwd=str(tmp_path), env={**env, "DATA": tiny_bin}, timeout=900)
     log = proc.stdout + proc.stderr
     records = [json.loads(line.split("| train | ", 1)[1]) for line in log.splitlines() if "| train | " in line]
@@ -109,7 +109,7 @@ def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_
     assert "building the native norm kernels with" in log
     built = [name for name in os.listdir(env["NORMPLUG_CACHE_DIR"]) if name.endswith(".so")]
     assert len(built) == 1, os.listdir(env["NORMPLUG_CACHE_DIR"])
-    source_path, fairseq_path = proc.stdout.strip().splitlines()[-2:]
-    assert source_path == os.path.join(user_dir, "modules", "csrc", "norm_kernels.cpp")
+    plugin_path, fairseq_path = proc.stdout.strip().splitlines()[-2:]
+    assert plugin_path == os.path.join(user_dir, "__init__.py")  # so native.SOURCE_PATH is the wheel's
     assert not fairseq_path.startswith(str(venv))  # fairseq is the test environment's, not reinstalled
     assert not os.path.commonpath([user_dir, REPO]) == REPO
