@@ -8,7 +8,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
-from model_helpers import build, toy_batch
+from model_helpers import build
 
 TINY = "transformer_normplug_tiny"
 

@@ -12,7 +12,6 @@ which would map ``fairseq_normplug`` back to the checkout, stays invisible; PYTH
 import json
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import zipfile
@@ -51,8 +50,8 @@ def test_the_wheel_holds_the_package_its_cpp_source_and_its_metadata(wheel):
         entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "fairseq_normplug/modules/csrc/norm_kernels.cpp" in names
     sources = {n for n in names if n.startswith("fairseq_normplug/") and n.endswith(".py")}
-    in_checkout = {os.path.relpath(os.path.join(d, f), REPO) for d, _, files in os.walk(os.path.join(REPO, "fairseq_normplug"))
-                   for f in files if f.endswith(".py")}
+    in_checkout = {os.path.relpath(os.path.join(d, f), REPO)
+                   for d, _, files in os.walk(os.path.join(REPO, "fairseq_normplug")) for f in files if f.endswith(".py")}
     assert sources == in_checkout  # every module, nothing else (no tests/, scripts/)
     assert not [n for n in names if not n.startswith(("fairseq_normplug/", "fairseq_normplug-"))]
     requires = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
