@@ -44,8 +44,8 @@ import zipfile
 from dataclasses import dataclass
 from typing import List, Optional
 
-import torch
-
+from fairseq_normplug.checkpoint_compat import safe_load
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.tables import atomic_output
 
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
@@ -91,13 +91,16 @@ def read_checkpoint(path: str) -> Optional[CheckpointInfo]:
     if not os.path.isfile(path):
         return None
     try:  # a whole zip needs no tensor read; anything else is loaded in full (old formats) or fails
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=_whole_zip(path))
+        state = safe_load(path, mmap=_whole_zip(path))
         updates = int(state["optimizer_history"][-1]["num_updates"])
         if "model" not in state:
             return None
     except OSError:
         raise
-    except Exception:  # a cut or damaged archive or pickle: not a checkpoint to trust
+    except Exception as error:  # a cut or damaged archive or pickle: not a checkpoint to trust
+        if "Weights only load failed" in str(error):  # whole, but holds a class the safe loader refuses
+            raise NormplugError(f"{path}: not loadable with the plugin's safe loader (checkpoint_compat): "
+                                f"{str(error).splitlines()[0]}") from None
         return None
     extra = state.get("extra_state") or {}
     groups = (state.get("last_optimizer_state") or {}).get("param_groups") or [{}]

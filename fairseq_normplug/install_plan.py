@@ -1,10 +1,11 @@
-"""What the project installs, in one place: the torch build that ``scripts/setup_env.sh``
-chooses (CPU or CUDA), the version floors that ``setup.py`` declares and the import checks
-enforce, and the fairseq release to build.
+"""What scripts/setup_env.sh installs, in one place: the torch build it chooses (CPU or
+CUDA), the fairseq release it builds, and the torch floor that the import checks enforce
+(``pyproject.toml`` declares the same floor, checked by tests/test_install.py; the other
+requirements are listed there only).
 
-Standard library only, Python 3.8 syntax, no package import: ``setup.py`` reads it with
-``runpy`` and ``scripts/setup_env.sh`` runs it as a script with the system Python, before
-any torch exists::
+Standard library only, Python 3.8 syntax, no package import: ``scripts/setup_env.sh`` runs it
+as a script with the system Python, before any torch exists, and the plugin imports it when it
+is loaded::
 
     python fairseq_normplug/install_plan.py torch          # spec, index URL, expected build
     python fairseq_normplug/install_plan.py fairseq        # the fairseq requirement to build
@@ -24,9 +25,10 @@ import subprocess
 import sys
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional
 
-#: the oldest torch the code runs on: torch.compiler.is_compiling() (2.3) is called on every
-#: norm call. Optional newer APIs (used only where present): add_safe_globals (2.4, checkpoint
-#: loading under torch >= 2.6), torch._dynamo.config.recompile_limit (renamed in 2.6).
+#: the oldest torch the code runs on (pyproject.toml declares the same floor):
+#: torch.compiler.is_compiling() (2.3) is called on every norm call. Optional newer APIs (used
+#: only where present): add_safe_globals (2.4, checkpoint loading under torch >= 2.6),
+#: torch._dynamo.config.recompile_limit (renamed in 2.6).
 MIN_TORCH = "2.3"
 DEFAULT_TORCH = "torch==2.13.0"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -34,20 +36,9 @@ NVIDIA_DRIVER_FILE = "/proc/driver/nvidia/version"
 
 #: fairseq is not an install requirement: its metadata requires torchaudio, which pins (and so
 #: replaces) torch. It is built with ``pip install --no-deps --no-build-isolation``; its real
-#: runtime requirements are in RUNTIME_REQUIREMENTS.
+#: runtime requirements are the plugin's own (``pyproject.toml``).
 FAIRSEQ_PY311 = "fairseq-fixed==0.12.3.1"   # a Python 3.11 build of fairseq's main branch
 FAIRSEQ_OLDER_PY = "fairseq==0.12.2"         # official fairseq does not import on 3.11
-NEW_PY = "python_version >= '3.11'"
-OLD_PY = "python_version < '3.11'"
-RUNTIME_REQUIREMENTS = [
-    # fairseq's own runtime requirements, without torch and torchaudio
-    "cffi", "cython", "regex", "tqdm", "bitarray", "scikit-learn", "packaging",
-    f"numpy>=1.21.3; {NEW_PY}", f"hydra-core==1.3.2; {NEW_PY}", f"omegaconf==2.3.0; {NEW_PY}",
-    f"numpy<1.24; {OLD_PY}", f"hydra-core>=1.0.7,<1.1; {OLD_PY}", f"omegaconf<2.1; {OLD_PY}",
-    # the plugin's
-    "sacrebleu>=2.0", "sentencepiece", "subword-nmt", "sacremoses", "matplotlib",
-    "tensorboardX",  # fairseq's --tensorboard-logdir
-]
 OVERRIDES_HINT = ("set NORMPLUG_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu, or "
                   "https://download.pytorch.org/whl/cu126 for a GPU) or NORMPLUG_TORCH")
 

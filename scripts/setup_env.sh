@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment .venv/ with torch, fairseq and this plugin
 # (editable). Idempotent: a second run with the same settings returns at once. Called by
-# scripts/demo.sh and scripts/test.sh; safe to run by hand.
+# scripts/demo.sh, scripts/test.sh and the other scripts; safe to run by hand.
 #
 # Which torch (fairseq_normplug/install_plan.py decides; the log says which and why):
 #   * no NVIDIA driver (nvidia-smi / /proc/driver/nvidia): a CPU build, from
@@ -14,11 +14,18 @@
 #                         https://download.pytorch.org/whl/cu126); skips the detection
 #   NORMPLUG_CUDA         1 or 0: take the NVIDIA-driver probe's answer as given
 #   NORMPLUG_VENV         where the environment lives (default: <repo>/.venv)
+#   NORMPLUG_SETUP        0: install nothing, use NORMPLUG_VENV as it is (an environment you
+#                         manage yourself; the test suite sets it for the scripts it runs)
 #   PYTHON                interpreter used to create it (default: python3)
 #
 # fairseq's own requirements name torchaudio, which pins (and would silently replace) torch;
 # fairseq is therefore built with --no-deps; its real runtime requirements come with the
-# plugin (setup.py), all installed under a constraint that keeps torch fixed.
+# plugin (pyproject.toml), all installed under a constraint that keeps torch fixed.
+#
+# Any failed step stops set-up with a line naming it (set -e and the ERR trap; no check runs
+# inside another command's arguments, where set -e would not see it fail). The "done" stamp
+# is removed first and written last, after every check has passed, so a failed or
+# interrupted set-up is never skipped by the next run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${NORMPLUG_VENV:-$ROOT/.venv}
@@ -26,22 +33,32 @@ PYTHON=${PYTHON:-python3}
 PLAN_PY="$ROOT/fairseq_normplug/install_plan.py"
 
 log() { echo "[setup_env] $*" >&2; }
+
+if [ "${NORMPLUG_SETUP:-1}" = 0 ]; then
+  [ -x "$VENV/bin/python" ] && exit 0
+  log "NORMPLUG_SETUP=0 uses the environment as it is, but $VENV/bin/python does not exist; set NORMPLUG_VENV"
+  exit 1
+fi
+
 stamp="$VENV/.normplug-setup"
-settings="${NORMPLUG_TORCH:-}|${NORMPLUG_TORCH_INDEX:-}|${NORMPLUG_CUDA:-}|$(cat "$ROOT/setup.py" "$PLAN_PY" "$ROOT/scripts/setup_env.sh" | cksum)"
+sources=$(cat "$ROOT/pyproject.toml" "$PLAN_PY" "$ROOT/scripts/setup_env.sh" | cksum)
+settings="${NORMPLUG_TORCH:-}|${NORMPLUG_TORCH_INDEX:-}|${NORMPLUG_CUDA:-}|$sources"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$settings" ] && [ -x "$VENV/bin/python" ]; then
   exit 0
 fi
 
-{ read -r TORCH_SPEC; read -r TORCH_INDEX; read -r TORCH_EXPECT; read -r TORCH_REASON; } \
-  < <("$PYTHON" "$PLAN_PY" torch)
-[ -n "${TORCH_EXPECT:-}" ] || { log "could not choose a torch build ($PLAN_PY torch failed)"; exit 1; }
+trap 'log "FAILED (exit status $?): $BASH_COMMAND; set-up is not recorded as done, the next run starts again"' ERR
+rm -f "$stamp"
+
+plan=$("$PYTHON" "$PLAN_PY" torch)
+{ read -r TORCH_SPEC; read -r TORCH_INDEX; read -r TORCH_EXPECT; read -r TORCH_REASON; } <<< "$plan"
 log "preparing $VENV; torch: $TORCH_SPEC ($TORCH_REASON)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip setuptools wheel
 
 torch_args=("$TORCH_SPEC")
-[ -n "$TORCH_INDEX" ] && torch_args+=(--index-url "$TORCH_INDEX")
+if [ -n "$TORCH_INDEX" ]; then torch_args+=(--index-url "$TORCH_INDEX"); fi
 if [ "$TORCH_EXPECT" = cpu ] && [ -z "$TORCH_INDEX" ]; then
   # the default index: look before downloading (a CUDA build is gigabytes)
   report="$VENV/normplug-torch-report.json"
@@ -49,9 +66,10 @@ if [ "$TORCH_EXPECT" = cpu ] && [ -z "$TORCH_INDEX" ]; then
   "$VENV/bin/python" "$PLAN_PY" check-report "$report"
 fi
 "${PIP[@]}" install -q "${torch_args[@]}"
-log "$(PYTHONWARNINGS=ignore "$VENV/bin/python" "$PLAN_PY" check-installed "$TORCH_EXPECT")"
+torch_line=$("$VENV/bin/python" "$PLAN_PY" check-installed "$TORCH_EXPECT")
+log "$torch_line"
 # Every later install must keep exactly the torch that is now there.
-torch_version=$(PYTHONWARNINGS=ignore "$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+torch_version=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
 constraints="$VENV/normplug-constraints.txt"
 echo "torch==$torch_version" > "$constraints"
 PIPC=("${PIP[@]}" install -q -c "$constraints")
@@ -62,9 +80,9 @@ if ! "$VENV/bin/python" -c 'import fairseq' >/dev/null 2>&1; then
   log "building $fairseq_req (compiles C++/Cython extensions: a few minutes, once)"
   "${PIPC[@]}" --no-build-isolation --no-deps "$fairseq_req"
 fi
-# the plugin with its requirements (fairseq's runtime ones, tensorboardX, ...; see setup.py)
+# the plugin with its requirements (fairseq's runtime ones, tensorboardX, ...; pyproject.toml)
 "${PIPC[@]}" --no-build-isolation -e "$ROOT[test]"
 log "(a pip note that fairseq requires torchaudio is expected: fairseq is installed without its requirements)"
-"$VENV/bin/python" -c 'import fairseq_normplug' || { log "plugin import failed"; exit 1; }
+"$VENV/bin/python" -c 'import fairseq_normplug'
 echo "$settings" > "$stamp"
 log "ready: $VENV"

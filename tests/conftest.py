@@ -1,13 +1,52 @@
-"""Shared fixtures: a tiny synthetic parallel corpus, raw and binarized (joined dictionary)."""
+"""Shared fixtures (a tiny synthetic parallel corpus: raw, binarized with a joined dictionary,
+and prepared by scripts/prepare_corpus.sh) and the helpers that run commands.
+
+Commands run with a timeout, and a fallback of the plugin's fast paths is a failure unless a
+test says it expects one: the plugin's "falls back" warnings (``FALLBACK_WARNING``) fail
+``run_cli``/``run_parallel`` when they appear in a command's output, and are errors inside
+this process (``pytest_configure``). On a machine without a C++ compiler the fallback is the
+documented behaviour, and neither check applies.
+"""
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN_DIR = os.path.dirname(sys.executable)
-SHARED_DATA = os.path.join(os.path.dirname(REPO), "shared", "data")
+#: the real corpora (read only): ../shared/data beside the checkout, or $NORMPLUG_SHARED_DATA
+SHARED_DATA = os.environ.get("NORMPLUG_SHARED_DATA") or os.path.join(os.path.dirname(REPO), "shared", "data")
+
+#: the plugin's warnings when a fast path falls back (modules/native.py, modules/fused.py)
+FALLBACK_WARNING = re.compile(r"fairseq-normplug: (native CPU norm kernels unavailable|"
+                              r"torch\.compile of \S+ failed)[^\n]*")
+#: without a C++ compiler the native kernels and torch.compile's CPU code cannot be built
+FALLBACK_EXPECTED = shutil.which(os.environ.get("CXX", "c++")) is None
+#: a subprocess's default limit (below pytest-timeout's, pyproject.toml, so it fails first)
+COMMAND_TIMEOUT = 600
+
+
+def pytest_configure(config):
+    if not FALLBACK_EXPECTED:  # '.' for ':' (a ':' would end the message field)
+        config.addinivalue_line(
+            "filterwarnings",
+            r"error:fairseq-normplug. (native CPU norm kernels unavailable|torch\.compile of):RuntimeWarning")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def scripts_use_this_environment():
+    """The scripts a test runs (scripts/*.sh call scripts/setup_env.sh first) use the
+    environment the tests run in, as it is: set-up never installs anything during a test."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("NORMPLUG_SETUP", "0")
+        patch.setenv("NORMPLUG_VENV", os.path.dirname(BIN_DIR))
+        yield
 
 
 def cli(name: str) -> str:
@@ -15,18 +54,88 @@ def cli(name: str) -> str:
     return os.path.join(BIN_DIR, name)
 
 
-def run_cli(args, cwd=REPO, check=True, timeout=900, env=None):
-    """Run a command, return the CompletedProcess; on failure show its output."""
-    proc = subprocess.run(
-        args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
-    )
+def command_env(env=None) -> dict:
+    """The environment of a test's command: this one, without a PYTHONWARNINGS that could hide
+    the plugin's warnings (unless ``env`` sets one), updated by ``env`` (None: unset)."""
+    out = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    for key, value in (env or {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def assert_no_fallback(output: str, what) -> None:
+    """Fail when ``output`` holds one of the plugin's fallback warnings."""
+    found = FALLBACK_WARNING.search(output)
+    if found and not FALLBACK_EXPECTED:
+        raise AssertionError(f"unexpected fallback in {what}: {found.group(0)}")
+
+
+def failure_report(proc) -> str:
+    return (f"command failed ({proc.returncode}): {' '.join(map(str, proc.args))}\n"
+            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}")
+
+
+def run_cli(args, cwd=REPO, check=True, timeout=COMMAND_TIMEOUT, env=None, input=None,
+            fallback_ok=False):
+    """Run a command, return the CompletedProcess; on failure show its output. A fast-path
+    fallback warning in its output fails the test unless ``fallback_ok``."""
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=command_env(env), input=input)
     if check and proc.returncode != 0:
-        raise AssertionError(
-            f"command failed ({proc.returncode}): {' '.join(map(str, args))}\n"
-            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
-        )
+        raise AssertionError(failure_report(proc))
+    if not fallback_ok:
+        assert_no_fallback(proc.stdout + proc.stderr, args[0])
     return proc
+
+
+def _kill(proc) -> None:
+    """Kill ``proc`` and whatever it started (it leads its own process group)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def run_parallel(commands, cwd=REPO, timeout=COMMAND_TIMEOUT, env=None, fallback_ok=False,
+                 peers=True):
+    """Run ``commands`` at the same time and return their CompletedProcess objects, in order.
+    ``peers`` (the processes of one job): when one fails the others are killed at once (e.g.
+    the surviving data-parallel rank, which would wait for its peer forever). All are killed
+    when ``timeout`` seconds have passed (an AssertionError with their output)."""
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+    procs = [subprocess.Popen(command, cwd=cwd, env=command_env(env), stdout=out, stderr=err,
+                              text=True, start_new_session=True)
+             for command, (out, err) in zip(commands, outputs)]
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        while any(p.poll() is None for p in procs):
+            if peers and any(p.returncode not in (None, 0) for p in procs):
+                break  # one failed: the others are killed below
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            _kill(proc)
+    done = []
+    for command, proc, (out, err) in zip(commands, procs, outputs):
+        out.seek(0), err.seek(0)
+        done.append(subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    if timed_out:
+        raise AssertionError(f"still running after {timeout} s, killed:\n"
+                             + "\n".join(failure_report(p) for p in done))
+    if not fallback_ok:
+        for proc in done:
+            assert_no_fallback(proc.stdout + proc.stderr, proc.args[0])
+    return done
 
 
 @pytest.fixture(scope="session")
@@ -48,4 +157,14 @@ def tiny_bin(tiny_raw, tmp_path_factory):
         "--testpref", f"{tiny_raw}/test", "--destdir", dest, "--joined-dictionary",
         "--workers", "1",
     ])
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tiny_raw, tmp_path_factory):
+    """``tiny_raw`` prepared by scripts/prepare_corpus.sh (30 BPE merges): a data folder
+    with bin/, ref/ and manifest.json, as the experiment scripts take it."""
+    dest = str(tmp_path_factory.mktemp("prepared") / "src-tgt")
+    run_cli([os.path.join(REPO, "scripts", "prepare_corpus.sh"), tiny_raw, "--src", "src", "--tgt", "tgt",
+             "--tokenized", "--bpe-merges", "30", "--dest", dest, "--workers", "1"])
     return dest

@@ -1,12 +1,13 @@
 """The plugin through fairseq's real command-line tools on a tiny generated corpus."""
 import json
 import os
-import subprocess
+import struct
 import sys
 
 import pytest
+import torch
 
-from conftest import REPO, cli, run_cli
+from conftest import REPO, cli, run_cli, run_parallel
 
 USER_DIR = os.path.join(REPO, "fairseq_normplug")
 TRAIN_COMMON = [
@@ -61,12 +62,38 @@ def test_train_and_resume(trained, name):
     assert log_records(resumed, "train")[-1]["train_num_updates"] == "40"
 
 
-def test_tensorboard_logdir_writes_event_files(trained):
+def tensorboard_scalars(folder):
+    """{tag: {step: value}} of the TensorBoard event files under ``folder`` (TFRecord framing:
+    length, its CRC, an Event protobuf, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            data = f.read()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at:at + 8])
+            event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+            at += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
+
+
+def test_tensorboard_logdir_writes_the_logged_training_curve(trained):
+    """The event files hold the numbers of the text log: every logged update's loss and lr."""
     save_dir, first, _ = trained["postnorm-layernorm"]
-    events = [os.path.join(d, f) for d, _, files in os.walk(save_dir / "tensorboard")
-              for f in files if f.startswith("events.out.tfevents")]
-    assert events and all(os.path.getsize(e) > 0 for e in events)
     assert "Please install tensorboardX" not in first.stdout + first.stderr
+    inner = tensorboard_scalars(save_dir / "tensorboard" / "train_inner")
+    records = log_records(first, "train_inner")
+    assert [int(r["num_updates"]) for r in records] == [10, 20, 30]
+    for key in ("loss", "lr", "gnorm"):
+        assert sorted(inner[key]) == [10, 20, 30], key
+        for record in records:  # the text log rounds to 3 decimals
+            assert inner[key][int(record["num_updates"])] == pytest.approx(float(record[key]), abs=6e-4), key
+    epoch = tensorboard_scalars(save_dir / "tensorboard" / "train")
+    assert epoch["loss"][30] == pytest.approx(float(log_records(first, "train")[-1]["train_loss"]), abs=6e-4)
 
 
 def test_generate_elsewhere_needs_the_user_dir_as_the_readme_says(trained, tiny_bin, tmp_path):
@@ -98,24 +125,25 @@ def test_generate_from_checkpoint(trained, tiny_bin, name):
     assert "BLEU4" in proc.stdout + proc.stderr
 
 
-def test_interactive_and_hub(trained, tiny_bin, tiny_raw):
+def test_interactive_and_hub_give_the_same_translation(trained, tiny_bin, tiny_raw):
+    """fairseq-interactive and the hub translate a test sentence alike (same checkpoint,
+    beam 2): the same hypothesis, with a finite log-probability score."""
     save_dir, _, _ = trained["prenorm-scalenorm-fixnorm-smallinit"]
     sentence = open(os.path.join(tiny_raw, "test.src")).readline()
-    proc = subprocess.run(
-        [cli("fairseq-interactive"), tiny_bin, "--user-dir", USER_DIR, "--path",
-         os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--cpu", "--source-lang", "src",
-         "--target-lang", "tgt"], input=sentence, capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert [line for line in proc.stdout.splitlines() if line.startswith("H-0\t")]
+    proc = run_cli([cli("fairseq-interactive"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                    os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--cpu", "--source-lang", "src",
+                    "--target-lang", "tgt"], input=sentence, timeout=300)
+    (interactive,) = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-0\t")]
+    _, score, text = interactive
+    assert text.strip() and -1e3 < float(score) < 0
 
     from fairseq_normplug.models import TransformerNormplugModel
 
     hub = TransformerNormplugModel.from_pretrained(str(save_dir), checkpoint_file="checkpoint_last.pt",
                                                    data_name_or_path=tiny_bin, source_lang="src",
                                                    target_lang="tgt")
-    translation = hub.translate(sentence.strip(), beam=2)
-    assert isinstance(translation, str) and translation.strip()
     assert type(hub.models[0]).__name__ == "TransformerNormplugModel"
+    assert hub.translate(sentence.strip(), beam=2) == text
 
 
 def test_checkpoints_load_safely_only_through_the_plugin(trained):
@@ -123,25 +151,63 @@ def test_checkpoints_load_safely_only_through_the_plugin(trained):
     checkpoint = os.path.join(trained["prenorm-dyt"][0], "checkpoint_last.pt")
     code = ("import sys, torch; {imp}"
             "state = torch.load(sys.argv[1], map_location='cpu'); print(sorted(state)[:3])")
-    env = {k: v for k, v in os.environ.items() if "WEIGHTS_ONLY" not in k}
-    without = subprocess.run([sys.executable, "-c", code.format(imp="import fairseq; "), checkpoint],
-                             capture_output=True, text=True, env=env)
+    env = {k: None for k in os.environ if "WEIGHTS_ONLY" in k}
+    without = run_cli([sys.executable, "-c", code.format(imp="import fairseq; "), checkpoint],
+                      check=False, env=env, timeout=300)
     assert without.returncode != 0 and "weights_only" in without.stderr
-    with_plugin = subprocess.run([sys.executable, "-c", code.format(imp="import fairseq_normplug; "),
-                                  checkpoint], capture_output=True, text=True, env=env)
-    assert with_plugin.returncode == 0, with_plugin.stderr[-2000:]
+    with_plugin = run_cli([sys.executable, "-c", code.format(imp="import fairseq_normplug; "), checkpoint],
+                          env=env, timeout=300)
     assert "cfg" in with_plugin.stdout
 
 
+class RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.makedirs, (self.marker,)
+
+
+def test_the_runner_reads_checkpoints_safely(trained, tmp_path):
+    """experiments.runner.selected_checkpoint: the update and dev score of a real checkpoint;
+    a file that would run code when unpickled is refused, and the code does not run."""
+    from fairseq_normplug.experiments.runner import selected_checkpoint
+
+    save_dir, _, resumed = trained["prenorm-dyt"]
+    assert selected_checkpoint(str(save_dir / "checkpoint_last.pt")) == {"selected_update": 40, "dev_bleu": None}
+    marker = tmp_path / "code-ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"optimizer_history": [{"num_updates": 7}], "extra_state": {},
+                "payload": RunsCodeWhenUnpickled(str(marker))}, evil)
+    with pytest.raises(Exception, match="[Ww]eights only load failed|Unsupported global"):
+        selected_checkpoint(str(evil))
+    assert not marker.exists()
+
+
 def test_eval_bleu_validation_and_best_checkpoint(tiny_bin, tmp_path):
+    """Dev BLEU every 10 updates (and at the epoch's end, update 17); checkpoint_best.pt is the
+    checkpoint of the best BLEU (ties: the later one, as fairseq compares with >=) and records
+    that BLEU."""
+    from fairseq_normplug.experiments.runner import selected_checkpoint
+
     flags = [f for f in TRAIN_COMMON if f != "--disable-validation"]
     proc = run_cli([cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *flags,
-                    "--prenorm", "--scalenorm", "--fixnorm", "--save-dir", str(tmp_path), "--max-update", "20",
-                    "--validate-interval-updates", "10", "--eval-bleu", "--eval-bleu-args", '{"beam": 1}',
-                    "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric"])
+                    "--prenorm", "--scalenorm", "--fixnorm", "--save-dir", str(tmp_path), "--max-update", "30",
+                    "--validate-interval-updates", "10", "--save-interval-updates", "10", "--eval-bleu",
+                    "--eval-bleu-args", '{"beam": 1}', "--best-checkpoint-metric", "bleu",
+                    "--maximize-best-checkpoint-metric"])
     valid = log_records(proc, "valid")
-    assert len(valid) >= 2 and all("valid_bleu" in r for r in valid)
-    assert os.path.exists(tmp_path / "checkpoint_best.pt")
+    curve = [(int(r["valid_num_updates"]), float(r["valid_bleu"])) for r in valid]
+    assert [u for u, _ in curve] == [10, 17, 20, 30]
+    assert all(0 <= bleu <= 100 for _, bleu in curve) and max(b for _, b in curve) > 0, curve
+    running = [max(b for _, b in curve[:i + 1]) for i in range(len(curve))]
+    # fairseq logs the best so far from the second validation on (after a first save)
+    assert "valid_best_bleu" not in valid[0]
+    assert [float(r["valid_best_bleu"]) for r in valid[1:]] == pytest.approx(running[1:])
+    best = max(b for _, b in curve)
+    expected = max(u for u, b in curve if b == best)
+    assert selected_checkpoint(str(tmp_path / "checkpoint_best.pt")) == {
+        "selected_update": expected, "dev_bleu": pytest.approx(best, abs=1e-6)}
 
 
 def test_a_longer_run_learns(tiny_bin, tmp_path):
@@ -180,54 +246,69 @@ def test_bad_input_on_the_command_line(tmp_path, flags, message):
     assert len(errors) == 1 and message in errors[0]
 
 
-def train_data_parallel(data_bin, save_dir, flags, max_update, program=(cli("fairseq-train"),), env=None):
-    """Two CPU processes (gloo) train one model data-parallel; returns their outputs."""
+def train_data_parallel(data_bin, save_dir, flags, max_update, dump_dir=None):
+    """Two CPU processes (gloo) train one model data-parallel (tests/train_dump_params.py: each
+    rank's parameters saved to ``dump_dir`` after every update); returns their outputs. When
+    one rank fails, the other (waiting for its peer) is killed at once."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    program = [sys.executable, os.path.join(REPO, "tests", "train_dump_params.py")]
     common = [*program, data_bin, "--arch", "transformer_normplug_tiny", *TRAIN_COMMON, *flags,
               "--max-update", str(max_update), "--log-interval", "3",
               "--save-dir", str(save_dir), "--distributed-world-size", "2", "--distributed-backend", "gloo",
               "--ddp-backend", "legacy_ddp", "--distributed-no-spawn", "--device-id", "0",
               "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
-    procs = [subprocess.Popen(common + ["--distributed-rank", str(rank)], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    dump_dir = dump_dir or os.path.join(str(save_dir), "params")
+    os.makedirs(dump_dir, exist_ok=True)
+    procs = run_parallel([common + ["--distributed-rank", str(rank)] for rank in (0, 1)],
+                         env={"DUMP_PARAMS_DIR": str(dump_dir)})
+    outputs = [p.stdout + p.stderr for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "training on 2 devices" in outputs[0]
     return outputs
 
 
-def test_data_parallel_on_cpu_with_gloo(tiny_bin, tmp_path):
-    """Two CPU processes train one model data-parallel (docs/experiments.md)."""
-    outputs = train_data_parallel(tiny_bin, tmp_path, ["--prenorm", "--scalenorm"], 6)
-    assert '"train_num_updates": "6"' in outputs[0]
-    assert os.path.exists(tmp_path / "checkpoint_last.pt")
-
-
-def test_auto_alpha_init_agrees_across_data_parallel_ranks(tiny_bin, tmp_path):
-    """--dyt-alpha-init auto under 2-process data parallelism: the ranks see different
-    batches, yet after the init and 3 updates their parameters are identical."""
-    import torch
-
-    dump = tmp_path / "params"
-    dump.mkdir()
-    outputs = train_data_parallel(
-        tiny_bin, tmp_path, ["--prenorm", "--dyt", "--dyt-alpha-init", "auto", "--no-save"], 3,
-        program=(sys.executable, os.path.join(REPO, "tests", "train_dump_params.py")),
-        env={"DUMP_PARAMS_DIR": str(dump)})
-    logged = [line for line in outputs[0].splitlines() if "auto init of alpha" in line]
-    assert len(logged) == 1 and "2 data-parallel ranks" in logged[0]
-    ranks = [torch.load(dump / f"rank{r}.pt") for r in (0, 1)]
-    alphas = {k: v.item() for k, v in ranks[0].items() if k.endswith(".alpha")}
-    assert len(alphas) == 12 and all(abs(a - 0.5) > 1e-3 for a in alphas.values()), alphas
+def rank_parameters(dump_dir):
+    """Both ranks' parameters after their last update; asserts that they are identical."""
+    ranks = [torch.load(os.path.join(dump_dir, f"rank{r}.pt")) for r in (0, 1)]
     assert ranks[0].keys() == ranks[1].keys()
     for name in ranks[0]:
         assert torch.equal(ranks[0][name], ranks[1][name]), name
+    return ranks[0]
+
+
+#: DyT with its data-driven alpha init, and the TED recipe's word dropout with two micro-batches
+#: an update (word dropout's draws differ per rank and micro-batch and are seeded by the update
+#: number: tasks/translation_normplug.py)
+DATA_PARALLEL = ["--prenorm", "--dyt", "--dyt-alpha-init", "auto", "--task", "translation_normplug",
+                 "--word-dropout", "0.1", "--update-freq", "2"]
+
+
+def test_data_parallel_on_cpu_with_gloo_agrees_and_resumes_exactly(tiny_bin, tmp_path):
+    """Two CPU processes train one model data-parallel (docs/experiments.md). The ranks see
+    different batches, yet --dyt-alpha-init auto chooses one alpha per norm for both, and
+    after every update their parameters are identical. A run stopped at update 3 and resumed
+    to 6 (no second auto init) ends with exactly the parameters of an uninterrupted run."""
+    whole = train_data_parallel(tiny_bin, tmp_path / "whole", DATA_PARALLEL, 6)
+    logged = [line for line in whole[0].splitlines() if "auto init of alpha" in line]
+    assert len(logged) == 1 and "2 data-parallel ranks" in logged[0]
+    assert '"train_num_updates": "6"' in whole[0]
+    uninterrupted = rank_parameters(tmp_path / "whole" / "params")
+    alphas = {k: v.item() for k, v in uninterrupted.items() if k.endswith(".alpha")}
+    assert len(alphas) == 12 and all(abs(a - 0.5) > 1e-3 for a in alphas.values()), alphas
+    dump = tmp_path / "resumed" / "params"
+    train_data_parallel(tiny_bin, tmp_path / "resumed", DATA_PARALLEL, 3, dump_dir=dump)
+    after_3 = rank_parameters(dump)
+    resumed = train_data_parallel(tiny_bin, tmp_path / "resumed", DATA_PARALLEL, 6, dump_dir=dump)
+    assert "@ 3 updates" in resumed[0] and '"train_num_updates": "6"' in resumed[0]
+    assert "auto init" not in resumed[0]
+    final = rank_parameters(dump)
+    assert any(not torch.equal(after_3[k], final[k]) for k in final)  # it trained after resuming
+    for name in uninterrupted:
+        assert torch.equal(final[name], uninterrupted[name]), name
 
 
 NEW_NORMS = {

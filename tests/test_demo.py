@@ -1,5 +1,9 @@
-"""scripts/demo.sh's corpus step (training stubbed out): one prepared folder per corpus, even
-for corpora whose folders have the same name, and errors that name only demo.sh's options."""
+"""scripts/demo.sh: its corpus step (training stubbed out: one prepared folder per corpus, even
+for corpora whose folders have the same name, and errors that name only demo.sh's options), and
+its whole path once, training included, at a tiny size."""
+import csv
+import dataclasses
+import glob
 import json
 import os
 import re
@@ -116,3 +120,42 @@ def test_a_prepared_folder_that_cannot_be_reused_is_reported_with_demo_advice(de
     assert "delete that folder" in message and "\n" not in message
     named = set(re.findall(r"--[a-z][a-z-]*", message))
     assert named <= options_of_demo(capsys), f"{message} names options demo.sh lacks"
+
+
+def test_demo_trains_scores_and_tabulates_through_its_own_path(tmp_path, monkeypatch, capsys):
+    """demo.sh's main end to end, nothing mocked but the size: a corpus given with --corpus is
+    prepared into data/, the --preset's recipe trains the table's first row (shrunk to 4
+    updates, one row, to stay fast), the test set is translated and scored, and --out holds
+    the results table, the figures and the run."""
+    from fairseq_normplug.experiments import configs
+
+    corpus = make_corpus(str(tmp_path / "toy" / "raw"), "delta")
+    monkeypatch.setattr(demo, "DATA_ROOT", str(tmp_path / "data"))
+    recipes = configs.load_recipes()
+    tiny = dataclasses.replace(recipes["cpu_tiny"], train=[*recipes["cpu_tiny"].train, "--max-update", "4",
+                                                           "--validate-interval-updates", "2"])
+    monkeypatch.setattr(demo, "load_recipes", lambda: {**recipes, "cpu_tiny": tiny})
+    table = configs.load_table("demo")
+    monkeypatch.setattr(demo, "load_table", lambda name: dataclasses.replace(configs.load_table(name),
+                                                                             rows=table.rows[:1]))
+    out = tmp_path / "out"
+    demo.main(["--corpus", corpus, *PAIR, "--bpe-merges", "30", "--preset", "tiny", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "[demo] done in" in printed and f"results in {out}" in printed
+    (data_dir,) = glob.glob(str(tmp_path / "data" / "toy-*" / "en-de-bpe30"))
+    assert recipe(data_dir)["raw_dir"] == os.path.abspath(corpus)
+    with open(out / "results.csv", newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert row["row"] == table.rows[0].name and row["pair"] == "en-de" and row["status"] == "ok"
+    assert int(row["updates"]) == 4 and 0 <= float(row["tokenized_bleu"]) <= 100
+    assert "(toy, preset tiny)" in (out / "results.md").read_text()
+    run_dir = out / "runs" / "demo" / "en-de" / "postnorm-layernorm-warmup"
+    scores = json.loads((run_dir / "scores.json").read_text())
+    assert scores["tokenized_bleu"] == pytest.approx(float(row["tokenized_bleu"]), abs=0.01)
+    status = json.loads((run_dir / "status.json").read_text())
+    command = status["command"]
+    assert command[command.index("--arch") + 1] == "transformer_normplug_tiny"  # the tiny preset's
+    assert os.path.join(data_dir, "bin") in command
+    with open(run_dir / "generate-test.txt", encoding="utf-8") as f:
+        assert sum(line.startswith("H-") for line in f) == 5
+    assert [name for name in os.listdir(out) if name.endswith(".png")]

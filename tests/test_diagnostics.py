@@ -3,8 +3,9 @@ the converted checkpoint loads (fairseq-generate too) and holds only calibrated 
 calibrated alpha fits the real activations better than alpha = 0.5, the figures plot what the
 CSV files say, and bad input fails in one line."""
 import csv
-import re
+import math
 import os
+import re
 import shutil
 
 import pytest
@@ -123,44 +124,124 @@ def assert_png(path):
         assert f.read(8) == PNG_MAGIC and os.path.getsize(path) > 5000
 
 
+def recomputed_norm_inputs(checkpoint, data, tokens):
+    """{site: (norm, inputs, outputs)} recomputed here, with this test's own hooks, on the
+    batches plot_norms reads (the same selection: diagnostics.loading.batches, its seed and
+    token limit): (rows, C) float32 matrices of the real (non-padding) positions."""
+    loaded = load_checkpoint(checkpoint, data)
+    samples = list(batches(loaded.task, "valid", plot_norms.BATCH_TOKENS, limit_tokens=tokens))
+    norms = named_norms(loaded.model)
+    seen = {name: ([], []) for name in norms}
+
+    def recorder(name):
+        def record(module, inputs, output):  # returns None: the output is left as it is
+            seen[name][0].append(inputs[0].detach())
+            seen[name][1].append(output.detach())
+        return record
+
+    handles = [norm.register_forward_hook(recorder(name)) for name, norm in norms.items()]
+    pad = loaded.task.source_dictionary.pad()
+    masks = []
+    with torch.no_grad():
+        for sample in samples:
+            net = sample["net_input"]
+            loaded.model(**net)
+            masks.append({"enc": net["src_tokens"].ne(pad).t(), "dec": net["prev_output_tokens"].ne(pad).t()})
+    for handle in handles:
+        handle.remove()
+    out = {}
+    for name, (xs, ys) in seen.items():
+        keep = [m[name[:3]] for m in masks]  # (time, batch), as the norms see their input
+        out[name] = (norms[name], torch.cat([x.float()[k] for x, k in zip(xs, keep)]),
+                     torch.cat([y.float()[k] for y, k in zip(ys, keep)]))
+    return out
+
+
+@pytest.fixture
+def drawn_figures(monkeypatch):
+    """{PNG name: the matplotlib Figure plot_norms saved}, recorded as it is saved."""
+    saved = {}
+    save = plot_norms.save_figure
+
+    def recording_save(fig, path):
+        saved[os.path.basename(path)] = fig
+        save(fig, path)
+
+    monkeypatch.setattr(plot_norms, "save_figure", recording_save)
+    return saved
+
+
 @pytest.mark.parametrize("which", ["layernorm", "dyt"])
-def test_plots_contain_what_the_csv_says(which, trained, converted, tiny_bin, tmp_path):
+def test_plots_show_the_norms_inputs_outputs_and_scales(which, trained, converted, tiny_bin, tmp_path,
+                                                        drawn_figures):
+    """What the figures draw and the CSV says, checked against activations recomputed by this
+    test: each S-curve point is a real (input, output) pair of its site; the scale panel draws
+    each site's scale (LayerNorm: mean 1/std per token; DyT: alpha) and 1/std of its input;
+    the DyT saturation bars are the share of |alpha x| > 2."""
     checkpoint = trained if which == "layernorm" else converted[0]
-    result = plot_norms.main([checkpoint, tiny_bin, str(tmp_path), "--tokens", "400", "--points", "500"])
+    plot_norms.main([checkpoint, tiny_bin, str(tmp_path), "--tokens", "400", "--points", "500"])
     names = sorted(os.listdir(tmp_path))
     assert names == ["attention.csv", "attention.png", "norms.csv", "s_curves_dec.png", "s_curves_enc.png",
                      "scale_vs_std.png"]
     for name in names:
         if name.endswith(".png"):
             assert_png(tmp_path / name)
+    assert sorted(drawn_figures) == [n for n in names if n.endswith(".png")]
+    recomputed = recomputed_norm_inputs(checkpoint, tiny_bin, 400)
+    assert list(recomputed) == SITES
+    expected = {}
+    for site, (norm, x, y) in recomputed.items():
+        if which == "dyt":
+            assert type(norm) is DynamicTanh
+            scale = float(norm.alpha)
+        else:
+            scale = float((x.var(dim=-1, unbiased=False) + norm.eps).rsqrt().mean())
+        expected[site] = {"scale": scale, "inverse_std": 1 / float(x.std()), "tokens": x.shape[0],
+                          "saturated": float((scale * x).abs().gt(2).float().mean())}
+
     norms = read_csv(tmp_path / "norms.csv")
     assert [row["site"] for row in norms] == SITES and {row["norm_type"] for row in norms} == {which}
-    figures = result["figures"]
-    assert list(figures["s_curves_enc.png"]) == SITES[:4] and list(figures["s_curves_dec.png"]) == SITES[4:]
-    assert all(points == 500 for points in figures["s_curves_dec.png"].values())
-    scale = figures["scale_vs_std.png"]
-    assert scale["sites"] == SITES
-    assert scale["scale"] == pytest.approx([float(row["scale"]) for row in norms], rel=1e-6)
-    assert scale["inverse_std"] == pytest.approx([float(row["inverse_std"]) for row in norms], rel=1e-6)
+    for row in norms:
+        assert float(row["scale"]) == pytest.approx(expected[row["site"]]["scale"], rel=1e-5)
+        assert float(row["inverse_std"]) == pytest.approx(expected[row["site"]]["inverse_std"], rel=1e-5)
+        assert int(row["tokens"]) == expected[row["site"]]["tokens"]
+    assert {row["scale_kind"] for row in norms} == {"alpha" if which == "dyt" else "mean 1/std per token"}
+
+    scale_axes = drawn_figures["scale_vs_std.png"].axes
+    scale_line, inverse_std_line = scale_axes[0].lines[:2]
+    assert list(scale_line.get_ydata()) == pytest.approx([expected[s]["scale"] for s in SITES], rel=1e-5)
+    assert list(inverse_std_line.get_ydata()) == pytest.approx([expected[s]["inverse_std"] for s in SITES],
+                                                               rel=1e-5)
+    assert [label.get_text() for label in scale_axes[0].get_xticklabels()] == SITES
     if which == "dyt":
-        alphas = {name: float(norm.alpha) for name, norm in named_norms(load_checkpoint(checkpoint, tiny_bin).model).items()}
-        assert [float(row["scale"]) for row in norms] == pytest.approx([alphas[s] for s in SITES])
-        assert {row["scale_kind"] for row in norms} == {"alpha"}
-        assert scale["saturated_fraction"] == pytest.approx({row["site"]: float(row["saturated_fraction"])
-                                                             for row in norms})
-        assert all(0 <= float(row["saturated_fraction"]) <= 1 for row in norms)
+        bars = [patch.get_height() for patch in scale_axes[1].patches]
+        assert bars == pytest.approx([expected[s]["saturated"] for s in SITES], abs=1e-6)
+        assert all(row["saturated_fraction"] != "" for row in norms)
     else:
-        assert {row["scale_kind"] for row in norms} == {"mean 1/std per token"}
-        assert all(row["saturated_fraction"] == "" for row in norms) and not scale["saturated_fraction"]
+        assert len(scale_axes) == 1 and all(row["saturated_fraction"] == "" for row in norms)
+
+    for png, sites in (("s_curves_enc.png", SITES[:4]), ("s_curves_dec.png", SITES[4:])):
+        panels = [ax for ax in drawn_figures[png].axes if ax.get_visible()]
+        assert [ax.get_title().split(" ")[0] for ax in panels] == sites
+        for ax, site in zip(panels, sites):
+            _, x, y = recomputed[site]
+            pairs = set(zip(x.flatten().tolist(), y.flatten().tolist()))
+            points = ax.collections[0].get_offsets()
+            assert len(points) == 500 and all((float(px), float(py)) in pairs for px, py in points), site
+
     attention = read_csv(tmp_path / "attention.csv")
     assert [row["attention"] for row in attention] == ["enc0.self", "enc1.self", "dec0.self", "dec0.cross",
                                                        "dec1.self", "dec1.cross"]
-    plotted = figures["attention.png"]
-    assert plotted["dec.cross"]["layers"] == [0, 1]
-    assert plotted["dec.cross"]["max_logit"] == pytest.approx(
-        [float(row["max_logit"]) for row in attention if row["kind"] == "cross"])
-    assert plotted["enc.self"]["entropy"] == pytest.approx(
-        [float(row["entropy"]) for row in attention if row["stack"] == "enc"])
+    left, right = drawn_figures["attention.png"].axes
+    for ax, column in ((left, "max_logit"), (right, "entropy")):  # one line per attention kind
+        for line in ax.lines:
+            stack, kind = line.get_label().split(".")
+            rows = [row for row in attention if row["stack"] == stack and row["kind"] == kind]
+            assert list(line.get_xdata()) == [int(row["layer"]) for row in rows]
+            assert list(line.get_ydata()) == pytest.approx([float(row[column]) for row in rows])
+    for row in attention:  # entropy of a distribution over the keys, below log(most keys)
+        assert 0 < float(row["entropy"]) < math.log(1024) and math.isfinite(float(row["max_logit"]))
+    assert {line.get_label() for line in right.lines} == {"enc.self", "dec.self", "dec.cross"}
 
 
 def test_recomputed_attention_matches_fairseq():

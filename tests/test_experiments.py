@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import COMMAND_TIMEOUT
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
 from fairseq_normplug.experiments.reproduce import run_table
 
@@ -28,11 +28,8 @@ TINY_TABLE = {
 
 
 @pytest.fixture(scope="module")
-def prepared(tiny_raw, tmp_path_factory):
-    dest = str(tmp_path_factory.mktemp("prepared") / "src-tgt")
-    run_cli([os.path.join(REPO, "scripts", "prepare_corpus.sh"), tiny_raw, "--src", "src", "--tgt", "tgt",
-             "--tokenized", "--bpe-merges", "30", "--dest", dest, "--workers", "1"])
-    return dest
+def prepared(tiny_prepared):
+    return tiny_prepared  # conftest: shared with the entry-point tests
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +145,7 @@ def test_best_checkpoint_is_the_best_dev_bleu_and_dev_decodes_like_test(tiny_tab
     dev_out = tmp_path / "generate-valid.txt"
     with open(dev_out, "w") as out:
         subprocess.run(generate_command(run, run.path("checkpoints", "checkpoint_best.pt"), "valid"),
-                       stdout=out, check=True, stderr=subprocess.DEVNULL)
+                       stdout=out, check=True, stderr=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT)
     refs = bleu.read_lines(os.path.join(prepared, "ref", "valid.tok.tgt"))
     dev_again = bleu.tokenized_bleu(bleu.read_fairseq_generate(str(dev_out), len(refs)).hypotheses, refs)
     assert round(dev_again.score, 2) == pytest.approx(best)

@@ -1,5 +1,7 @@
 """The install is what the README says: the torch build set-up chooses (with and without
-CUDA, without installing anything), the version floor, and `pip install .` keeping torch."""
+CUDA, without installing anything), the version floor (one value in install_plan.py and
+pyproject.toml), and `pip install .` keeping torch. Set-up itself: tests/test_setup_env.py;
+the built wheel: tests/test_wheel.py."""
 import json
 import os
 import subprocess
@@ -75,7 +77,7 @@ def test_setup_env_plan_from_the_command_line(env, plan):
     (the driver probe forced by NORMPLUG_CUDA; these two need no network)."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("NORMPLUG_TORCH")}, **env}
     out = subprocess.run([sys.executable, PLAN_PY, "torch"], capture_output=True, text=True,
-                         env=env, check=True).stdout.split("\n")
+                         env=env, check=True, timeout=60).stdout.split("\n")
     assert out[:3] == plan and out[3]
 
 
@@ -96,7 +98,7 @@ def test_a_cuda_build_from_the_default_index_is_refused_before_download(tmp_path
         path = tmp_path / "report.json"
         path.write_text(json.dumps(report))
         proc = subprocess.run([sys.executable, PLAN_PY, "check-report", str(path)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, timeout=60)
         assert proc.returncode == rc
         assert ("NORMPLUG_TORCH_INDEX" in proc.stderr) == (rc == 1)
 
@@ -111,7 +113,7 @@ def test_torch_floor():
 def test_missing_fairseq_names_the_command_that_installs_it():
     proc = subprocess.run([sys.executable, "-c",
                            "import sys; sys.modules['fairseq'] = None; import fairseq_normplug"],
-                          capture_output=True, text=True, cwd=REPO)
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: fairseq-normplug needs fairseq")
@@ -138,3 +140,32 @@ def test_pip_install_from_a_clone_keeps_torch(tmp_path):
     assert f"torch>={install_plan.MIN_TORCH}" in requires
     assert "tensorboardX" in requires
     assert not [r for r in requires if r.startswith("fairseq")]
+
+
+def read_pyproject() -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def test_pyproject_and_install_plan_agree():
+    """The torch floor is written in install_plan.py (set-up, import check) and pyproject.toml
+    (package metadata): one value. fairseq stays out of the metadata; the extras are there."""
+    project = read_pyproject()["project"]
+    requires = project["dependencies"]
+    assert [r for r in requires if r.split(">")[0].split("=")[0].strip() == "torch"] == [
+        f"torch>={install_plan.MIN_TORCH}"]
+    assert not [r for r in requires if r.startswith(("fairseq", "torchaudio", "torchvision"))]
+    extras = project["optional-dependencies"]
+    assert {r.split(">")[0] for r in extras["test"]} == {"pytest", "pytest-timeout", "submitit"}
+    assert extras["slurm"] == ["submitit>=1.5"]
+    assert project["scripts"] == {"fairseq-normplug-path": "fairseq_normplug.cli:print_user_dir"}
+
+
+def test_every_test_has_a_time_limit(request):
+    """pytest-timeout is active with pyproject.toml's limit (a hang fails one test)."""
+    assert request.config.pluginmanager.hasplugin("timeout")
+    assert float(request.config.getini("timeout")) == read_pyproject()["tool"]["pytest"]["ini_options"]["timeout"]

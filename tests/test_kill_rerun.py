@@ -22,6 +22,7 @@ import torch
 
 from conftest import REPO
 from fairseq_normplug import checkpoint_safety
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import CONFIG_DIR
 
 TABLE = {
@@ -308,6 +309,21 @@ def _truncate(path):
 def _updates(folder, name):
     info = checkpoint_safety.read_checkpoint(str(folder / name))
     return None if info is None else info.updates
+
+
+class NotACheckpointClass:
+    """A class no fairseq checkpoint holds: the safe loader refuses it."""
+
+
+def test_a_whole_checkpoint_the_safe_loader_refuses_is_an_error_not_deleted(tmp_path):
+    path = str(tmp_path / "checkpoint_last.pt")
+    torch.save({"model": {}, "optimizer_history": [{"num_updates": 3}], "extra": NotACheckpointClass()}, path)
+    with pytest.raises(NormplugError, match="safe loader"):
+        checkpoint_safety.read_checkpoint(path)
+    assert os.path.exists(path)
+    with open(path, "r+b") as f:  # a cut file is simply not complete
+        f.truncate(os.path.getsize(path) // 2)
+    assert checkpoint_safety.read_checkpoint(path) is None
 
 
 def test_repair_finishes_the_interrupted_save(tmp_path):

@@ -252,14 +252,22 @@ def test_fixnorm_gradient_is_finite_with_pad_present(tiny_bin):
     assert torch.isfinite(total) and total < 100, total
 
 
-def test_naive_fixnorm_would_blow_up_the_pad_gradient():
-    """Why the pad row is masked: plain w/max(||w||, eps) on the zero pad row."""
-    w = torch.zeros(3, 8)
-    w[1:] = torch.rand(2, 8) * 0.01
-    w.requires_grad_(True)
-    naive = w / w.norm(dim=1, keepdim=True).clamp(min=1e-12)
-    (naive[0] * torch.ones(8)).sum().backward()
-    assert w.grad[0].abs().max() > 1e10
+def test_the_pad_row_has_no_gradient_where_naive_fixnorm_blows_up():
+    """Why the pad row is masked: on the same weights (a zero pad row), plain w/max(||w||, eps)
+    gives the pad row a gradient of ~1/eps; FixNormEmbedding's has none, and its other rows
+    get exactly the plain formula's gradient."""
+    embedding = FixNormEmbedding(3, 8, padding_idx=0)
+    with torch.no_grad():
+        embedding.weight.zero_()
+        embedding.weight[1:] = torch.rand(2, 8) * 0.01
+    upstream = torch.randn(3, 8)  # a gradient reaching every row, pad included
+    (embedding.normalized_weight() * upstream).sum().backward()
+    w = embedding.weight.detach().clone().requires_grad_(True)
+    naive = w / w.norm(dim=1, keepdim=True).clamp(min=embedding.eps)
+    (naive * upstream).sum().backward()
+    assert w.grad[0].abs().max() > 1e5  # 1/eps = 1e6 times the upstream gradient
+    assert embedding.weight.grad[0].abs().max() == 0
+    torch.testing.assert_close(embedding.weight.grad[1:], w.grad[1:])
 
 
 def test_pad_is_never_predicted(tiny_bin):
@@ -365,13 +373,36 @@ def test_fixnorm_with_a_tie_already_asked_for_says_nothing(tiny_bin, caplog):
     assert not [r for r in caplog.records if "--fixnorm" in r.getMessage()]
 
 
-def test_fairseq_cannot_ask_for_an_untied_output_layer(tiny_bin, capsys):
-    """Why --fixnorm never refuses: fairseq's sharing flags are store_true with no negation
-    (if fairseq gains one, --fixnorm must refuse it instead of tying)."""
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(tiny_bin, "transformer_normplug", "--fixnorm", "--no-share-decoder-input-output-embed")
-    assert exit_info.value.code == 2
-    assert "unrecognized arguments: --no-share-decoder-input-output-embed" in capsys.readouterr().err
+def sharing_options():
+    """fairseq's options about sharing embeddings, as the plugin's model declares them."""
+    import argparse
+
+    from fairseq_normplug.models import TransformerNormplugModel
+
+    parser = argparse.ArgumentParser()
+    TransformerNormplugModel.add_args(parser)
+    return [action for action in parser._actions if "share" in action.dest]
+
+
+@pytest.mark.parametrize("sharing", [[], ["--share-decoder-input-output-embed"], ["--share-all-embeddings"]])
+def test_fixnorm_ties_the_output_layer_whatever_sharing_is_asked(tiny_bin, sharing):
+    """--fixnorm never refuses a sharing request, because fairseq has none that unties: each of
+    its sharing options is a plain on-switch (if fairseq gains an untie option, --fixnorm must
+    refuse it instead of tying). Under each, the output layer is the FixNorm target embedding."""
+    options = sharing_options()
+    assert {"share_decoder_input_output_embed", "share_all_embeddings"} <= {a.dest for a in options}
+    for action in options:
+        assert action.nargs == 0 and action.const is True and action.default in (None, False), action
+        assert not [o for o in action.option_strings if o.startswith("--no-")], action
+    model, _, _ = build(tiny_bin, "transformer_normplug", *SMALL_BASE, "--fixnorm", *sharing)
+    decoder = model.decoder
+    assert isinstance(decoder.embed_tokens, FixNormEmbedding)
+    assert decoder.output_projection.weight is decoder.embed_tokens.weight
+    features = torch.randn(2, 32)
+    torch.testing.assert_close(decoder.output_layer(features)[:, 4:],
+                               (features @ decoder.embed_tokens.normalized_weight().t())[:, 4:])
+    shared_source = model.encoder.embed_tokens.weight is decoder.embed_tokens.weight
+    assert shared_source == (sharing == ["--share-all-embeddings"])
 
 
 @pytest.mark.parametrize("flags", [["--norm-type", "batchnorm"], ["--weight-init", "he"],
@@ -385,7 +416,21 @@ def test_unknown_choices_are_argparse_errors(tiny_bin, flags, capsys):
 
 @pytest.mark.parametrize("precision", [["--amp"], ["--fp16", "--memory-efficient-fp16"]])
 def test_auto_init_with_precisions_that_keep_no_master_copy(tiny_bin, precision):
-    parse_args(tiny_bin, TINY, "--norm-type", "derf", "--derf-alpha-init", "auto", *precision)
+    """Accepted (no fp32 master copy to go stale), and the init happens in that precision:
+    each alpha (a float32 scalar) is 1/std of its norm's input on the first training batch."""
+    model, task, args = build(tiny_bin, TINY, "--prenorm", "--norm-type", "derf", "--derf-alpha-init", "auto",
+                              *precision)
+    assert args.derf_alpha_init == "auto" and model.auto_scale_init.waiting
+    if args.memory_efficient_fp16:
+        model = model.half()  # what fairseq's trainer does before the first batch
+    inputs = first_training_forward(model, task)
+    assert not model.auto_scale_init.waiting
+    for name, norm in named_norms(model).items():
+        assert norm.alpha.dtype == torch.float32
+        if args.memory_efficient_fp16:
+            assert inputs[name].dtype == torch.float16
+        expected = 1 / inputs[name].double().std(unbiased=False).item()
+        assert norm.alpha.item() == pytest.approx(expected, rel=1e-5) and norm.alpha.item() != 0.5, name
 
 
 def test_scale_init_is_a_number_or_auto(tiny_bin, capsys):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SHARED_DATA, cli, run_cli
+from conftest import REPO, SHARED_DATA, cli, failure_report, run_cli, run_parallel
 from prepare_fixtures import (
     LONG_TOKENS, expected_pair, make_iwslt15_dir, make_raw_corpus, make_ted_archive,
     make_wmt14_archives, ted_rows, write_pairs,
@@ -203,12 +203,23 @@ def test_tokenized_flag_keeps_text_as_is(tmp_path, capsys):
     assert lines(f"{dest}/ref/test.detok.de")[0] == "x y 0."
 
 
-def test_wmt14_from_local_archives(tmp_path, capsys):
-    archives = str(tmp_path / "wmt14")
-    content = make_wmt14_archives(archives)
-    dest = str(tmp_path / "out")
-    status, err = run_in_process(wmt14_cli, ["--archive-dir", archives, "--dest", dest, *TINY], capsys)
-    assert status == 0, err
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory):
+    """scripts/prepare_wmt14.sh and scripts/prepare_iwslt15.sh run for real (at the same time)
+    on local files in their source layouts: {name: (fixture content, dest, input folder)}."""
+    root = tmp_path_factory.mktemp("wrapped")
+    archives, files = str(root / "wmt14"), str(root / "iwslt15")
+    made = {"wmt14": (make_wmt14_archives(archives), str(root / "wmt14-out"), archives),
+            "iwslt15": (make_iwslt15_dir(files), str(root / "iwslt15-out"), files)}
+    procs = run_parallel([[script(name), "--archive-dir", folder, "--dest", dest, *TINY]
+                          for name, (_, dest, folder) in made.items()], peers=False)
+    for proc in procs:
+        assert proc.returncode == 0, failure_report(proc)
+    return made
+
+
+def test_wmt14_from_local_archives(wrapped):
+    content, dest, _ = wrapped["wmt14"]
     train = [pair for member in wmt14_cli.TRAIN_CORPORA.values() for pair in content[member]]
     assert list(zip(lines(f"{dest}/raw/train.en"), lines(f"{dest}/raw/train.de"))) == train
     assert lines(f"{dest}/raw/valid.de") == [de for _, de in content["dev"]]
@@ -223,12 +234,8 @@ def test_wmt14_from_local_archives(tmp_path, capsys):
     assert "normalize-punctuation.perl" not in info["recipe"]["tokenization"]["test"]
 
 
-def test_iwslt15_from_local_files(tmp_path, capsys):
-    files = str(tmp_path / "iwslt15")
-    counts = make_iwslt15_dir(files)
-    dest = str(tmp_path / "out")
-    status, err = run_in_process(iwslt15_cli, ["--archive-dir", files, "--dest", dest, *TINY], capsys)
-    assert status == 0, err
+def test_iwslt15_from_local_files(wrapped):
+    counts, dest, files = wrapped["iwslt15"]
     info = manifest(dest)
     assert info["line_counts"]["bin"] == {"train": counts["train"], "valid": counts["tst2012"],
                                           "test": counts["tst2013"]}
@@ -374,9 +381,9 @@ def test_missing_tool_is_reported(tmp_path):
     (ted_cli, "--archive"), (iwslt15_cli, "--archive-dir"), (wmt14_cli, "--archive-dir"),
     (corpus_cli, "--tokenized"),
 ])
-def test_help_and_wrapper_of_every_script(module, option, capsys):
-    """--help lists the options; each scripts/prepare_*.sh runs its module (the TED and corpus
-    wrappers are run for real above)."""
+def test_help_of_every_script(module, option, capsys):
+    """--help lists the options. Each scripts/prepare_*.sh wrapper runs for real above (TED,
+    corpus, WMT'14 and IWSLT'15, on the local fixtures)."""
     with pytest.raises(SystemExit) as exit_info:
         module.main(["--help"])
     assert exit_info.value.code == 0
@@ -384,11 +391,7 @@ def test_help_and_wrapper_of_every_script(module, option, capsys):
     assert out.startswith(f"usage: {module.PROG}")
     for flag in (option, "--dest", "--bpe", "--bpe-merges", "--max-len", "--workers", "--overwrite"):
         assert flag in out
-    wrapper = script(module.PROG[len("prepare_"):-len(".sh")])
-    assert os.access(wrapper, os.X_OK)
-    with open(wrapper) as f:
-        text = f.read()
-    assert "scripts/setup_env.sh" in text and f"-m {module.__name__} \"$@\"" in text
+    assert os.access(script(module.PROG[len("prepare_"):-len(".sh")]), os.X_OK)
 
 
 # --- real data (optional) -------------------------------------------------------------------
@@ -417,3 +420,37 @@ def test_parallel_line_map_keeps_order_and_count(tmp_path):
     result = lines(out)
     assert count_lines(out) == 5001 and result[4999] == "Line 4999 , isn &apos;t it ?"
     assert result[-1].startswith("last")  # a carriage return is not a line break
+
+
+MULTI30K = os.path.join(SHARED_DATA, "multi30k_de_en", "raw")
+
+
+@pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k_de_en is absent")
+def test_shared_multi30k_untokenized_is_tokenized_and_binarized(tmp_path, capsys):
+    """The real untokenized Multi30K de-en (29,000 / 1,014 / 1,000 pairs), with a small BPE
+    (200 merges) to stay fast: every pair survives the filter, the text is Moses-tokenized
+    (punctuation split off, an apostrophe escaped), BPE is reversible, the references are the
+    tokenized and the original text."""
+    dest = str(tmp_path / "de-en")
+    status, err = run_in_process(corpus_cli, [MULTI30K, "--src", "de", "--tgt", "en", "--dest", dest,
+                                              "--bpe-merges", "200", "--workers", "2"], capsys)
+    assert status == 0, err
+    info = manifest(dest)
+    sizes = {"train": 29000, "valid": 1014, "test": 1000}
+    assert info["line_counts"]["raw"] == sizes and info["line_counts"]["bin"] == sizes
+    assert info["recipe"]["bpe_merges"] == 200 and info["subword_model"]["merges_learned"] == 200
+    original = lines(f"{MULTI30K}/train.de")
+    assert original[0] == "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche."
+    tokenized = lines(f"{dest}/tok/train.de")
+    assert tokenized[0] == "Zwei junge weiße Männer sind im Freien in der Nähe vieler Büsche ."
+    assert tokenized != [line.strip() for line in original]
+    english = lines(f"{dest}/tok/train.en")
+    assert any(" &apos;s " in line for line in english) and not any("'s " in line for line in english)
+    for lang in ("de", "en"):
+        bpe = lines(f"{dest}/bpe/test.{lang}")
+        assert [undo_bpe(line) for line in bpe] == lines(f"{dest}/tok/test.{lang}")
+    assert any("@@ " in line for line in lines(f"{dest}/bpe/train.en"))
+    assert lines(f"{dest}/ref/test.tok.en") == lines(f"{dest}/tok/test.en")
+    assert lines(f"{dest}/ref/test.detok.en") == [line.strip() for line in lines(f"{MULTI30K}/test.en")]
+    for split in SPLITS:
+        assert os.path.isfile(f"{dest}/bin/{split}.de-en.de.bin") and os.path.isfile(f"{dest}/bin/{split}.de-en.en.idx")

@@ -56,6 +56,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from fairseq_normplug import checkpoint_safety
+from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
 from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table
@@ -433,8 +434,9 @@ def subword_method(data_dir: str, assumed: Optional[str] = None) -> str:
 
 
 def selected_checkpoint(checkpoint: str) -> dict:
-    """The update and dev BLEU of the validation ``checkpoint`` (checkpoint_best.pt) was saved at."""
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    """The update and dev BLEU of the validation ``checkpoint`` (checkpoint_best.pt) was saved at,
+    read with the plugin's safe loader (``weights_only=True``: no code in the file runs)."""
+    state = safe_load(checkpoint)
     return {"selected_update": state["optimizer_history"][-1]["num_updates"],
             "dev_bleu": state.get("extra_state", {}).get("val_loss")}
 

@@ -1,0 +1,114 @@
+"""The package as a user installs it, not the editable checkout: a wheel built from a copy of
+this repository holds the C++ source, builds without setuptools warnings, and installs into a
+fresh virtual environment, where fairseq-train loads the plugin through
+``--user-dir "$(fairseq-normplug-path)"`` from outside the repository and compiles the native
+kernels from the installed C++ source.
+
+The fresh environment sees torch, fairseq and the other requirements of the test environment
+through a .pth file naming its site-packages (nothing is downloaded or reinstalled). Python does
+not process .pth files inside a directory named that way, so the editable install's finder,
+which would map ``fairseq_normplug`` back to the checkout, stays invisible; PYTHONPATH is unset.
+"""
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+
+from conftest import REPO, run_cli
+from fairseq_normplug import install_plan
+
+#: what setuptools prints when package data is declared badly (the old setup.py's csrc/)
+SETUPTOOLS_WARNINGS = ("Package would be ignored", "BuildBackendWarning", "SetuptoolsDeprecationWarning",
+                       "is absent from the `packages` configuration")
+NOT_SHIPPED = (".venv", ".git", "data", "runs", "results", "build", "dist", "checkpoints", "*.egg-info",
+               "__pycache__", ".pytest_cache")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """(path of the wheel built from a copy of the checkout, the build's verbose output)."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "checkout"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*NOT_SHIPPED), symlinks=True)
+    proc = run_cli([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                    "-v", str(source), "-w", str(work / "dist")], cwd=str(work))
+    (path,) = (work / "dist").glob("fairseq_normplug-*.whl")
+    return path, proc.stdout + proc.stderr
+
+
+def test_the_wheel_holds_the_package_its_cpp_source_and_its_metadata(wheel):
+    path, build_output = wheel
+    warned = [w for w in SETUPTOOLS_WARNINGS if w in build_output]
+    assert not warned, f"setuptools warned {warned}:\n{build_output[-3000:]}"
+    with zipfile.ZipFile(path) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "fairseq_normplug/modules/csrc/norm_kernels.cpp" in names
+    sources = {n for n in names if n.startswith("fairseq_normplug/") and n.endswith(".py")}
+    in_checkout = {os.path.relpath(os.path.join(d, f), REPO)
+                   for d, _, files in os.walk(os.path.join(REPO, "fairseq_normplug")) for f in files if f.endswith(".py")}
+    assert sources == in_checkout  # every module, nothing else (no tests/, scripts/)
+    assert not [n for n in names if not n.startswith(("fairseq_normplug/", "fairseq_normplug-"))]
+    requires = [line.split(": ", 1)[1] for line in metadata.splitlines() if line.startswith("Requires-Dist: ")]
+    assert f"torch>={install_plan.MIN_TORCH}" in requires and "tensorboardX" in requires
+    assert not [r for r in requires if r.startswith(("fairseq", "torchaudio"))]
+    assert 'submitit>=1.5; extra == "slurm"' in requires and 'pytest-timeout>=2.1; extra == "test"' in requires
+    assert "fairseq-normplug-path = fairseq_normplug.cli:print_user_dir" in entry_points
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(wheel, tmp_path_factory):
+    """A new virtual environment with only the wheel installed in it (no pip of its own: the
+    test environment's pip, visible through the .pth file, installs it)."""
+    root = tmp_path_factory.mktemp("fresh")
+    venv = root / "venv"
+    run_cli([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=str(root), timeout=120)
+    python = venv / "bin" / "python"
+    site = run_cli([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                   cwd=str(root), timeout=60, env={"PYTHONPATH": None}).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    with open(os.path.join(site, "test_environment.pth"), "w") as f:
+        f.write("\n".join(sorted(ours)) + "\n")
+    env = isolated_env(venv, root)
+    # --ignore-installed: the editable fairseq-normplug of the test environment is visible as
+    # metadata; it must be neither taken as "already installed" nor uninstalled
+    run_cli([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
+             "--disable-pip-version-check", "--no-compile", "-q", str(wheel[0])], cwd=str(root), env=env, timeout=300)
+    return venv, site, env
+
+
+def isolated_env(venv, root) -> dict:
+    """The environment (``run_cli``'s ``env``) of a command in ``venv``: its bin/ first on PATH,
+    no PYTHONPATH, and a native-kernel cache of its own (so the build really happens)."""
+    return {"PYTHONPATH": None, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+            "VIRTUAL_ENV": str(venv), "NORMPLUG_CACHE_DIR": str(root / "kernel-cache"), "OMP_NUM_THREADS": "1"}
+
+
+def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_bin, tmp_path):
+    venv, site, env = fresh_venv
+    user_dir = run_cli(["fairseq-normplug-path"], cwd=str(tmp_path), env=env, timeout=60).stdout.strip()
+    assert user_dir == os.path.join(site, "fairseq_normplug")
+    assert os.path.isfile(os.path.join(user_dir, "modules", "csrc", "norm_kernels.cpp"))
+    script = ('python -m fairseq_cli.train "$DATA" --user-dir "$(fairseq-normplug-path)" '
+              "--arch transformer_normplug_tiny --prenorm --scalenorm --optimizer adam --lr 1e-3 "
+              "--max-tokens 1000 --max-update 3 --cpu --num-workers 0 --no-save --disable-validation "
+              "--log-format json --log-interval 1 && "
+              'python -c "from importlib.util import find_spec as f; print(f(\'fairseq_normplug\').origin); '
+              'print(f(\'fairseq\').origin)"')  # where they are imported from (without importing)
+    proc = run_cli(["bash", "-c", script], cwd=str(tmp_path), env={**env, "DATA": tiny_bin}, timeout=900)
+    log = proc.stdout + proc.stderr
+    records = [json.loads(line.split("| train | ", 1)[1]) for line in log.splitlines() if "| train | " in line]
+    assert records and records[-1]["train_num_updates"] == "3"
+    # the kernels were compiled here, from the C++ source the wheel installed
+    assert "building the native norm kernels with" in log
+    built = [name for name in os.listdir(env["NORMPLUG_CACHE_DIR"]) if name.endswith(".so")]
+    assert len(built) == 1, os.listdir(env["NORMPLUG_CACHE_DIR"])
+    plugin_path, fairseq_path = proc.stdout.strip().splitlines()[-2:]
+    assert plugin_path == os.path.join(user_dir, "__init__.py")  # so native.SOURCE_PATH is the wheel's
+    assert not fairseq_path.startswith(str(venv))  # fairseq is the test environment's, not reinstalled
+    assert not os.path.commonpath([user_dir, REPO]) == REPO
