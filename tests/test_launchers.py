@@ -17,7 +17,6 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import demo, launchers, reproduce
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
 from fairseq_normplug.experiments.launchers import LocalLauncher, SlurmLauncher, device_slots
-from fairseq_normplug.experiments.runner import Run
 
 # --------------------------------------------------------------------------- device slots
 
