@@ -127,10 +127,12 @@ def test_demo_trains_scores_and_tabulates_through_its_own_path(tmp_path, monkeyp
     prepared into data/, the --preset's recipe trains the table's first row (shrunk to 4
     updates, one row, to stay fast), the test set is translated and scored, and --out holds
     the results table, the figures and the run."""
-    from fairseq_normplug.experiments import configs
+    from fairseq_normplug.experiments import configs, reproduce
 
     corpus = make_corpus(str(tmp_path / "toy" / "raw"), "delta")
     monkeypatch.setattr(demo, "DATA_ROOT", str(tmp_path / "data"))
+    # the real run_table: this module's demo_corpus fixture replaces it for the module's other tests
+    monkeypatch.setattr(demo, "run_table", reproduce.run_table)
     recipes = configs.load_recipes()
     tiny = dataclasses.replace(recipes["cpu_tiny"], train=[*recipes["cpu_tiny"].train, "--max-update", "4",
                                                            "--validate-interval-updates", "2"])
