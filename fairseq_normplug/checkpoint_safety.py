@@ -25,7 +25,7 @@ from it. A checkpoint counts as complete when its zip archive (torch's format) i
 it unpickles with a model and an optimizer history; the tensors are not read (``mmap``).
 
 :func:`finished` tells a run whose training had already ended (``--max-update`` reached, or
-the lr below ``--stop-lr`` of our schedulers): fairseq-train resumed from such a checkpoint
+the lr below ``--stop-lr`` or ``--stop-patience`` exhausted, our schedulers' rules): fairseq-train resumed from such a checkpoint
 would train one update more before it checks, and overwrite the final checkpoints.
 
 For your own fairseq-train commands, before re-launching one::
@@ -47,9 +47,11 @@ from typing import List, Optional
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.tables import atomic_output
+from fairseq_normplug.optim.lr_scheduler.common import patience_exhausted
 
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
-#: lr schedulers with ``--stop-lr`` (fairseq_normplug.optim): they stop once the next lr is below it
+#: lr schedulers with ``--stop-lr`` and ``--stop-patience`` (fairseq_normplug.optim): they stop once
+#: the next lr is below the floor, or the validations in their state have stalled
 STOP_LR_SCHEDULERS = ("inv_sqrt_decay", "val_decay")
 
 
@@ -62,6 +64,7 @@ class CheckpointInfo:
     best: Optional[float]  # the best validation metric so far, as saved
     next_lr: Optional[float]  # the lr of the next update
     scheduler: dict  # its --lr-scheduler config
+    scheduler_state: dict  # the scheduler's state_dict (e.g. our schedulers' validation history)
 
     @property
     def name(self) -> str:
@@ -106,8 +109,10 @@ def read_checkpoint(path: str) -> Optional[CheckpointInfo]:
     groups = (state.get("last_optimizer_state") or {}).get("param_groups") or [{}]
     cfg = state.get("cfg") or {}
     scheduler = cfg.get("lr_scheduler") if isinstance(cfg, dict) else None
+    scheduler_state = state["optimizer_history"][-1].get("lr_scheduler_state") or {}
     return CheckpointInfo(path=path, updates=updates, val_loss=extra.get("val_loss"), best=extra.get("best"),
-                          next_lr=groups[0].get("lr"), scheduler=dict(scheduler or {}))
+                          next_lr=groups[0].get("lr"), scheduler=dict(scheduler or {}),
+                          scheduler_state=dict(scheduler_state))
 
 
 def copy_atomic(source: str, destination: str) -> None:
@@ -149,18 +154,25 @@ def repair(save_dir: str) -> List[str]:
 
 def finished(info: Optional[CheckpointInfo], max_update: Optional[int]) -> Optional[str]:
     """Why training from ``info`` (checkpoint_last.pt) is already over, or None: ``max_update``
-    reached, or the next lr below the ``--stop-lr`` of our schedulers after warmup (their own
-    rule, fairseq_normplug.optim.lr_scheduler.common)."""
+    reached, or after warmup the next lr below the ``--stop-lr`` of our schedulers or their
+    ``--stop-patience`` exhausted (their own rules, fairseq_normplug.optim.lr_scheduler.common)."""
     if info is None:
         return None
     if max_update and info.updates >= max_update:
         return f"update {info.updates} >= --max-update {max_update}"
     scheduler = info.scheduler
+    if scheduler.get("_name") not in STOP_LR_SCHEDULERS:
+        return None
+    warmup = int(scheduler.get("warmup_updates") or 0)
+    if info.updates < warmup:
+        return None
     stop_lr = float(scheduler.get("stop_lr") or 0)
-    if (scheduler.get("_name") in STOP_LR_SCHEDULERS and stop_lr > 0 and info.next_lr is not None
-            and info.updates >= int(scheduler.get("warmup_updates") or 0) and info.next_lr < stop_lr):
+    if stop_lr > 0 and info.next_lr is not None and info.next_lr < stop_lr:
         return f"lr {info.next_lr:.3g} < --stop-lr {stop_lr:g} after update {info.updates}"
-    return None
+    state = info.scheduler_state
+    stalled = patience_exhausted(state.get("history") or [], int(scheduler.get("stop_patience") or 0),
+                                 warmup, bool(state.get("maximize", False)))
+    return f"{stalled} after update {info.updates}" if stalled else None
 
 
 def main(argv=None) -> int:

@@ -39,6 +39,19 @@ def test_warmup_scaling_for_cpu_recipes():
     assert flags[flags.index("--lr") + 1] == "3e-4"
 
 
+def test_lr_scale_scales_nowarmup_lr_and_keeps_the_eq7_peak():
+    """cpu_converge: NoWarmup's 3e-4 times sqrt(512/64); the warmup rows' peak is eq. 7's peak
+    at d=64 with the paper's lambda 1 and 8k warmup, over a 20x shorter warmup."""
+    table = load_table("cpu")
+    recipe = table.recipe
+    flags = scaled_schedule_flags(table.schedules["no_warmup"], recipe)
+    assert float(flags[flags.index("--lr") + 1]) == pytest.approx(3e-4 * (512 / 64) ** 0.5, rel=1e-3)
+    flags = scaled_schedule_flags(table.schedules["inv_sqrt_decay"], recipe)
+    warmup, lam = int(flags[flags.index("--warmup-updates") + 1]), float(flags[flags.index("--lr-lambda") + 1])
+    assert warmup == 400
+    assert lam * (64 * warmup) ** -0.5 == pytest.approx((64 * 8000) ** -0.5, rel=1e-3)
+
+
 @pytest.fixture
 def config_copy(tmp_path):
     dest = tmp_path / "configs"
@@ -71,7 +84,7 @@ def test_config_errors_name_the_problem(config_copy, change, message):
 
 
 def test_unknown_table_and_recipe_key(config_copy):
-    with pytest.raises(NormplugError, match="unknown table 'table9'; choose from beyond, demo, table2"):
+    with pytest.raises(NormplugError, match="unknown table .table9.; choose from beyond, cpu, demo, table2"):
         load_table("table9", str(config_copy))
     recipes = json.loads((config_copy / "recipes.json").read_text())
     recipes["ted"]["generte"] = []

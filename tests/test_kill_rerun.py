@@ -294,8 +294,9 @@ def test_killed_table_reruns_to_the_uninterrupted_results(setup, jobs):
     assert status["minutes"] > 0  # the killed attempts' training time, kept at each validation
 
 
-def _fake_checkpoint(path, updates, val_loss=None, best=None, next_lr=1e-3, scheduler=None):
-    torch.save({"model": {"w": torch.full((64,), float(updates))}, "optimizer_history": [{"num_updates": updates}],
+def _fake_checkpoint(path, updates, val_loss=None, best=None, next_lr=1e-3, scheduler=None, scheduler_state=None):
+    torch.save({"model": {"w": torch.full((64,), float(updates))},
+                "optimizer_history": [{"num_updates": updates, "lr_scheduler_state": scheduler_state or {}}],
                 "extra_state": {"val_loss": val_loss, **({"best": best} if best is not None else {})},
                 "last_optimizer_state": {"param_groups": [{"lr": next_lr}]},
                 "cfg": {"lr_scheduler": scheduler or {"_name": "inverse_sqrt"}}}, str(path))
@@ -367,6 +368,14 @@ def test_finished_training_is_not_resumed(tmp_path):
     assert checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000) is None
     _fake_checkpoint(path, 5, next_lr=4e-5, scheduler=scheduler)  # in warmup: the floor does not apply
     assert checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000) is None
+    # --stop-patience 2: the dev BLEU of the saved validation history has stalled (or not)
+    scheduler = {"_name": "inv_sqrt_decay", "stop_lr": 0.0, "warmup_updates": 10, "stop_patience": 2}
+    stalled = {"history": [[10, 3.0], [20, 5.0], [30, 4.0]], "maximize": True}
+    _fake_checkpoint(path, 30, scheduler=scheduler, scheduler_state=stalled)
+    assert checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000) is None
+    stalled["history"].append([40, 5.0])
+    _fake_checkpoint(path, 40, scheduler=scheduler, scheduler_state=stalled)
+    assert "no gain for 2 validations" in checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000)
 
 
 def test_command_line_repairs_and_tells_a_finished_run(tmp_path, capsys):

@@ -286,6 +286,58 @@ def test_lr_floor_not_checked_during_warmup():
 
 
 # ---------------------------------------------------------------------------------------
+# --stop-patience: stop when dev BLEU (or loss) has stalled
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["inv_sqrt_decay", "val_decay"])
+def test_stop_patience_stops_after_n_validations_without_gain(name):
+    s = make(name, maximize=True, metric="bleu", warmup_updates=100, stop_lr=0.0, stop_patience=2,
+             lr=(1e-3,))
+    stops = []
+    # BLEU rises, ties (no gain), dips, then a tie again: the 2nd validation without gain stops
+    for update, bleu in [(50, 1.0), (100, 5.0), (150, 9.0), (200, 9.0), (250, 12.0), (300, 11.5),
+                         (350, 12.0), (400, 13.0)]:
+        s.step_update(update)
+        stops.append(s.on_validate_and_save(bleu))
+        s.step_update(update + 1)  # an update without validation: the decision stands
+        assert s.on_validate_and_save(None) is stops[-1]
+        if stops[-1]:
+            break
+    assert stops == [False, False, False, False, False, False, True]
+    assert s.stop_reason() == ("no gain for 2 validations (best 12 at update 250, "
+                               "--stop-patience 2)")
+
+
+def test_stop_patience_minimising_and_not_during_warmup():
+    s = make("inv_sqrt_decay", warmup_updates=1000, stop_lr=0.0, stop_patience=1)
+    s.step_update(100)
+    assert s.on_validate_and_save(5.0) is False
+    s.step_update(200)
+    assert s.on_validate_and_save(6.0) is False  # worse, but in warmup
+    s.step_update(1000)
+    assert s.on_validate_and_save(4.0) is False  # lower loss is a gain
+    s.step_update(1100)
+    assert s.on_validate_and_save(4.0) is True  # a tie is no gain
+    off = make("inv_sqrt_decay", warmup_updates=0, stop_lr=0.0)  # default 0: never
+    for update in range(1, 20):
+        off.step_update(update)
+        assert off.on_validate_and_save(1.0) is False
+
+
+def test_stop_patience_survives_a_state_round_trip():
+    kw = dict(maximize=True, metric="bleu", warmup_updates=0, lr=(1e-3,), stop_lr=0.0, stop_patience=3)
+    a = make("val_decay", **kw)
+    feed(a, [(100, 10.0), (200, 12.0), (300, 11.0)])
+    b = make("val_decay", **kw)
+    b.load_state_dict(a.state_dict())
+    b.step_update(300)
+    for s in (a, b):
+        s.step_update(400)
+        assert s.on_validate_and_save(11.5) is False
+        s.step_update(500)
+        assert s.on_validate_and_save(12.0) is True  # 3 validations since the best (12 at 200)
+
+
+# ---------------------------------------------------------------------------------------
 # State round trip
 # ---------------------------------------------------------------------------------------
 def _plain(value):
@@ -347,6 +399,7 @@ def test_state_round_trip_inv_sqrt_decay():
     ("val_decay", {"lr_decay": -0.8}, r"--lr-decay .*\(got -0.8\)"),
     ("val_decay", {"lr_patience": -1}, r"--lr-patience must be >= 0 \(got -1\)"),
     ("val_decay", {"stop_lr": -1e-5}, r"--stop-lr must be >= 0"),
+    ("inv_sqrt_decay", {"stop_patience": -2}, r"--stop-patience must be >= 0 \(got -2\)"),
     ("inv_sqrt_decay", {"lr_d_model": 0}, r"--lr-d-model must be a positive integer \(got 0\)"),
     ("val_decay", {"disable_validation": True}, r"validation is disabled \(--disable-validation\)"),
     ("val_decay", {"warmup_updates": 0, "lr": (1e-3, 5e-4)}, r"--lr must be a single value"),
@@ -361,7 +414,7 @@ def test_bad_input(name, flags, pattern):
 
 @pytest.mark.parametrize("flag, value", [
     ("--lr-decay", "1.5"), ("--lr-decay", "0"), ("--lr-lambda", "-2"), ("--lr-patience", "-1"),
-    ("--warmup-updates", "-1"), ("--stop-lr", "-0.001"), ("--lr-d-model", "0"),
+    ("--warmup-updates", "-1"), ("--stop-lr", "-0.001"), ("--lr-d-model", "0"), ("--stop-patience", "-1"),
 ])
 def test_bad_values_fail_at_argument_time(flag, value):
     from fairseq import options

@@ -10,7 +10,8 @@
   shared by dev BLEU and the test set, fairseq-generate batching flags, ``pairs`` (the recipe
   replaces its base for these pairs in every table), ``tokens_per_update`` (the runner sets
   --update-freq to reach it); ``warmup_scale`` and ``lr_lambda_scale`` shrink the schedules'
-  warmup length and lambda for short CPU runs of small models.
+  warmup length and lambda for short CPU runs of small models, and ``lr_scale`` multiplies
+  their constant ``--lr`` (NoWarmup's 3e-4) for a model of another size.
 * ``configs/schedules.json``: the paper's learning-rate schedules as flags.
 * ``configs/data.json``: where each language pair's prepared data lives.
 
@@ -31,7 +32,7 @@ EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
 TABLE_KEYS = {"title", "recipe", "pairs", "rows"}
 ROW_KEYS = {"name", "model", "schedule", "baseline", "train", "paper"}
 RECIPE_KEYS = {"description", "base", "pairs", "arch", "train", "unset", "decoding", "generate",
-               "tokens_per_update", "warmup_scale", "lr_lambda_scale"}
+               "tokens_per_update", "warmup_scale", "lr_lambda_scale", "lr_scale"}
 #: keys of a recipe's ``decoding`` spec: fairseq generation options, plus the task's GNMT alpha,
 #: the authors' search (``gnmt_search``) and fairseq's batch-wide length cap (``batch_length_cap``)
 DECODING_KEYS = {"beam", "gnmt_alpha", "gnmt_search", "batch_length_cap", "lenpen", "max_len_a", "max_len_b"}
@@ -63,6 +64,7 @@ class Recipe:
     tokens_per_update: Optional[int] = None
     warmup_scale: float = 1.0
     lr_lambda_scale: float = 1.0
+    lr_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -206,10 +208,13 @@ def _recipe(name: str, data: dict, where: str) -> Recipe:
                     description=data.get("description", ""), base=data.get("base"), pairs=list(pairs),
                     tokens_per_update=data.get("tokens_per_update"),
                     warmup_scale=float(data.get("warmup_scale", 1.0)),
-                    lr_lambda_scale=float(data.get("lr_lambda_scale", 1.0)))
+                    lr_lambda_scale=float(data.get("lr_lambda_scale", 1.0)),
+                    lr_scale=float(data.get("lr_scale", 1.0)))
     for key in ("warmup_scale", "lr_lambda_scale"):
         if not 0 < getattr(recipe, key) <= 1:
             raise NormplugError(f"{where}: {key} must be in (0, 1], got {getattr(recipe, key)}")
+    if not 0 < recipe.lr_scale <= 10:
+        raise NormplugError(f"{where}: lr_scale must be in (0, 10], got {recipe.lr_scale}")
     if recipe.tokens_per_update is not None and (not isinstance(recipe.tokens_per_update, int)
                                                  or recipe.tokens_per_update < 1):
         raise NormplugError(f"{where}: tokens_per_update must be a positive integer, got {recipe.tokens_per_update!r}")

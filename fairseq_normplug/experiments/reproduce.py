@@ -108,6 +108,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None) -> 
             "length_ratio": bleu.length_ratio(scores),
             "status": RESULT_STATUS.get(status["status"], status["status"]),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
+            "stopped_by": status.get("stopped_by"),
             "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
         })
     return out

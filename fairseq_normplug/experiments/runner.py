@@ -93,12 +93,14 @@ def read_json(path: str) -> Optional[dict]:
 
 
 def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
-    """The schedule's flags with ``--warmup-updates`` and ``--lr-lambda`` scaled by the
-    recipe's ``warmup_scale`` and ``lr_lambda_scale`` (short CPU runs of small models: a
-    shorter warmup, and a lambda that keeps eq. 7's peak lr near the paper's ~5e-4-1e-3)."""
+    """The schedule's flags with ``--warmup-updates``, ``--lr-lambda`` and ``--lr`` scaled by the
+    recipe's ``warmup_scale``, ``lr_lambda_scale`` and ``lr_scale`` (short CPU runs of small
+    models: a shorter warmup, a lambda that keeps eq. 7's peak lr where the recipe wants it, and
+    NoWarmup's constant lr scaled like that peak)."""
     flags = list(schedule.flags)
     for flag, scale, convert in (("--warmup-updates", recipe.warmup_scale, lambda v: str(round(v))),
-                                 ("--lr-lambda", recipe.lr_lambda_scale, lambda v: f"{v:g}")):
+                                 ("--lr-lambda", recipe.lr_lambda_scale, lambda v: f"{v:.4g}"),
+                                 ("--lr", recipe.lr_scale, lambda v: f"{v:.4g}")):
         if flag in flags and scale != 1.0:
             i = flags.index(flag) + 1
             value = float(flags[i]) * scale
@@ -360,7 +362,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     over = checkpoint_safety.finished(last, int(max_update) if max_update else None)
     if over:
         echo(f"[{run.label}] training was over ({over}); not resumed")
-        return _training_done(run, minutes_before, last.updates)
+        return _training_done(run, minutes_before, last.updates, status.get("stopped_by") or over)
     started = time.time()
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if status['status'] == 'running' else 'starting'}); "
@@ -382,7 +384,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     minutes = minutes_before + (time.time() - started) / 60
     updates = last_num_updates(run.path("train.log"))
     if returncode == 0:
-        return _training_done(run, minutes, updates)
+        return _training_done(run, minutes, updates, stopped_by(run.path("train.log"), updates, max_update))
     text = "".join(tail)
     state = "diverged" if any(marker in text for marker in DIVERGENCE_MARKERS) else "failed"
     echo(f"[{run.label}] {state} (exit {returncode}); see {run.path('train.log')}")
@@ -390,10 +392,33 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
                           error=text.strip().splitlines()[-1][:300] if text.strip() else "")
 
 
-def _training_done(run: Run, minutes: float, updates: Optional[int]) -> dict:
+def _training_done(run: Run, minutes: float, updates: Optional[int], stopped: Optional[str]) -> dict:
     for interval_checkpoint in glob.glob(run.path("checkpoints", "checkpoint_*_*.pt")):
         os.remove(interval_checkpoint)  # a copy of checkpoint_last.pt or older: keep last and best
-    return run.set_status(status="done", minutes=round(minutes, 2), updates=updates)
+    return run.set_status(status="done", minutes=round(minutes, 2), updates=updates, stopped_by=stopped)
+
+
+#: how fairseq-train says why it stopped: our schedulers' rules, fairseq's own --patience
+STOP_LINES = (re.compile(r"stopping training after update \d+: (?P<reason>.+)$"),
+              re.compile(r"(?P<reason>early stop since valid performance hasn't improved for last \d+ runs)"))
+
+
+def stopped_by(log_path: str, updates: Optional[int], max_update: Optional[str]) -> Optional[str]:
+    """Why a finished training ended: the last stopping rule its log names (``--stop-lr``,
+    ``--stop-patience``, fairseq's ``--patience``), else ``--max-update N`` when it reached it,
+    else None (e.g. ``--max-epoch``)."""
+    reason = None
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            for pattern in STOP_LINES:
+                match = pattern.search(line.rstrip())
+                if match:
+                    reason = match.group("reason")
+    if reason:
+        return reason
+    if updates is not None and max_update and updates >= int(max_update):
+        return f"--max-update {max_update}"
+    return None
 
 
 def _end_last_line(path: str) -> None:

@@ -21,6 +21,8 @@ A result row is a dict with the keys of :data:`FIELDS`:
 * ``length_ratio``: test hypotheses' token length over the references' (``sys_len / ref_len``);
   outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
+  ``stopped_by``: the rule that ended training (``--stop-patience``, ``--stop-lr``, fairseq's
+  ``--patience``, ``--max-update N``), read from its log;
 * ``selected_update``, ``dev_bleu``: the validation whose checkpoint (best dev BLEU) was
   tested, and its dev BLEU (tokenized, same decoder as the test BLEU);
 * ``paper_bleu``: the published number beside this row (filled from configs/paper_results.json
@@ -45,7 +47,7 @@ PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running")
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
-          "seed", "compound_split_bleu", "multi_bleu_detok")
+          "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
 FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
                 "compound_split_bleu", "multi_bleu_detok")

@@ -12,7 +12,10 @@ the ``lr`` fairseq logs at ``num_updates = N`` is the one update ``N + 1`` will 
 
 Training stops once the lr falls below ``--stop-lr`` (paper: 5e-5), checked after every
 update (not only at epoch ends, see :mod:`fairseq_normplug.optim.validation_hook`) and
-never during warmup, where the lr starts near zero.
+never during warmup, where the lr starts near zero. With ``--stop-patience N`` it also stops
+once N validations after warmup in a row have not improved on the best one before them
+(:func:`patience_exhausted`); the validation history is kept in the scheduler's state, so a
+resumed run stops at the same update as the uninterrupted one.
 """
 import argparse
 import logging
@@ -73,6 +76,13 @@ class PaperScheduleConfig(FairseqDataclass):
         default=PAPER_STOP_LR,
         metadata={"help": "stop training as soon as the lr is below this value, checked "
                           "after every update once warmup is over (paper: 5e-5); 0 disables"},
+    )
+    stop_patience: int = field(
+        default=0,
+        metadata={"help": "also stop once this many validations after warmup in a row have not "
+                          "improved (strictly) on the best --best-checkpoint-metric before them "
+                          "(e.g. dev BLEU); 0 disables (default). Unlike fairseq's --patience, "
+                          "its count survives a resume"},
     )
     lr: List[float] = II("optimization.lr")
     best_checkpoint_metric: str = II("checkpoint.best_checkpoint_metric")
@@ -140,6 +150,29 @@ def model_dim(cfg) -> Optional[int]:
     return None
 
 
+def patience_exhausted(history: List[List[float]], patience: int, warmup_updates: int,
+                       maximize: bool) -> Optional[str]:
+    """Why training should stop under ``--stop-patience``, or None.
+
+    ``history`` holds ``[update, metric]`` per validation. The rule: the last ``patience``
+    validations were all made after warmup (update >= ``warmup_updates``) and none of them
+    is strictly better than the best validation before them (ties are no gain)."""
+    if patience <= 0 or len(history) <= patience:
+        return None
+    recent = history[-patience:]
+    if recent[0][0] < warmup_updates:
+        return None
+    better = (lambda a, b: a > b) if maximize else (lambda a, b: a < b)
+    best_update, best = history[0]
+    for update, metric in history[1:-patience]:
+        if better(metric, best):
+            best_update, best = update, metric
+    if any(better(metric, best) for _, metric in recent):
+        return None
+    return (f"no gain for {patience} validations (best {best:.6g} at update {int(best_update)}, "
+            f"--stop-patience {patience})")
+
+
 def fmt_lr(lr: float) -> str:
     return f"{lr:.6g}"
 
@@ -160,6 +193,7 @@ FLAG_CHECKS = {
     "lr_decay": (float, lambda v: 0.0 < v < 1.0,
                  "--lr-decay must be in the open interval (0, 1) (got {v:g}); paper: 0.8"),
     "lr_patience": (int, lambda v: v >= 0, "--lr-patience must be >= 0 (got {v}); paper: 3"),
+    "stop_patience": (int, lambda v: v >= 0, "--stop-patience must be >= 0 (got {v}); 0 disables it"),
 }
 
 
@@ -205,11 +239,13 @@ class PaperLRSchedule(FairseqLRScheduler):
         self.warmup_updates = int(cfg_get(cfg, "warmup_updates", PAPER_WARMUP))
         self.lr_lambda = float(cfg_get(cfg, "lr_lambda", 1.0))
         self.stop_lr = float(cfg_get(cfg, "stop_lr", PAPER_STOP_LR))
+        self.stop_patience = int(cfg_get(cfg, "stop_patience", 0))
         self.maximize = bool(cfg_get(cfg, "maximize_best_checkpoint_metric", False))
         self.metric_name = str(cfg_get(cfg, "best_checkpoint_metric", "loss"))
         self.check_common_flags(cfg)
         self.num_updates = 0
         self.last_validation_update = -1
+        self.history: List[List[float]] = []  # [update, metric] per validation
         self._stop_logged = False
         self._warmup_end_logged = False
         from fairseq_normplug.optim import validation_hook
@@ -223,6 +259,7 @@ class PaperLRSchedule(FairseqLRScheduler):
         check_flag("lr_lambda", self.lr_lambda)
         check_flag("warmup_updates", self.warmup_updates)
         check_flag("stop_lr", self.stop_lr)
+        check_flag("stop_patience", self.stop_patience)
         d = cfg_get(cfg, "lr_d_model", None)
         check_flag("lr_d_model", None if d is None else int(d))
 
@@ -254,6 +291,13 @@ class PaperLRSchedule(FairseqLRScheduler):
         if not lr > 0:
             raise NormplugError(f"{self.name}: --lr must be > 0 (got {lr:g})")
         return lr
+
+    def stop_rules(self) -> str:
+        """The stopping rules in force, for the start-up log line."""
+        rules = [f"lr < {fmt_lr(self.stop_lr)}"] if self.stop_lr > 0 else []
+        if self.stop_patience > 0:
+            rules.append(f"no gain in valid {self.metric_name} for {self.stop_patience} validations")
+        return "stop once " + " or ".join(rules) if rules else "no lr floor"
 
     # ----- schedule ----------------------------------------------------------------------
     def lr_at(self, n: int) -> float:  # pragma: no cover - abstract
@@ -297,26 +341,31 @@ class PaperLRSchedule(FairseqLRScheduler):
         return True
 
     def observe_validation(self, metric, num_updates=None):
-        """One validation result; the base class only logs the current lr."""
+        """One validation result: recorded in the history, and the current lr logged."""
         n = self.num_updates if num_updates is None else int(num_updates)
         if not self.is_new_validation(n):
             return None
+        self.history.append([n, float(metric)])
         logger.info(f"{self.name}: update {n}: valid {self.metric_name} {float(metric):.6g}, "
                     f"lr {fmt_lr(self.current_lr())}")
         return None
 
-    def should_stop(self) -> bool:
-        """True once warmup is over and the next update's lr is below ``--stop-lr``."""
-        if self.stop_lr <= 0 or self.in_warmup():
-            return False
+    def stop_reason(self) -> Optional[str]:
+        """Why training is over after the current update, or None: warmup is over and the
+        next update's lr is below ``--stop-lr``, or ``--stop-patience`` is exhausted."""
+        if self.in_warmup():
+            return None
         lr = self.current_lr()
-        if lr < self.stop_lr:
-            if not self._stop_logged:
-                self._stop_logged = True
-                logger.info(f"{self.name}: stopping training after update {self.num_updates}: "
-                            f"lr {fmt_lr(lr)} < --stop-lr {fmt_lr(self.stop_lr)}")
-            return True
-        return False
+        if self.stop_lr > 0 and lr < self.stop_lr:
+            return f"lr {fmt_lr(lr)} < --stop-lr {fmt_lr(self.stop_lr)}"
+        return patience_exhausted(self.history, self.stop_patience, self.warmup_updates, self.maximize)
+
+    def should_stop(self) -> bool:
+        reason = self.stop_reason()
+        if reason and not self._stop_logged:
+            self._stop_logged = True
+            logger.info(f"{self.name}: stopping training after update {self.num_updates}: {reason}")
+        return reason is not None
 
     def on_validate_and_save(self, valid_metric) -> bool:
         """Called by the validation hook after every update (``valid_metric`` is None when
@@ -328,12 +377,15 @@ class PaperLRSchedule(FairseqLRScheduler):
     # ----- state -------------------------------------------------------------------------
     def state_dict(self):
         return {"best": self._plain(self.best), "num_updates": int(self.num_updates),
-                "last_validation_update": int(self.last_validation_update)}
+                "last_validation_update": int(self.last_validation_update),
+                "history": [[int(u), float(m)] for u, m in self.history],
+                "maximize": bool(self.maximize)}  # with the config's --stop-patience: checkpoint_safety.finished
 
     def load_state_dict(self, state_dict):
         self.best = state_dict.get("best")
         self.num_updates = int(state_dict.get("num_updates", self.num_updates))
         self.last_validation_update = int(state_dict.get("last_validation_update", -1))
+        self.history = [[int(u), float(m)] for u, m in state_dict.get("history", [])]
         self._warmup_end_logged = self.num_updates >= self.warmup_updates
 
     @staticmethod

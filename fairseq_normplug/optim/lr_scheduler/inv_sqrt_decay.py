@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class InvSqrtDecayConfig(PaperScheduleConfig):
     """Flags of ``inv_sqrt_decay``: ``--warmup-updates``, ``--lr-lambda``, ``--lr-d-model``,
-    ``--stop-lr``. ``--lr`` is not used."""
+    ``--stop-lr``, ``--stop-patience``. ``--lr`` is not used."""
 
 
 @register_lr_scheduler("inv_sqrt_decay", dataclass=InvSqrtDecayConfig)
@@ -50,8 +50,7 @@ class InvSqrtDecay(PaperLRSchedule):
         else:
             head += (f"n^-0.5 (no warmup; d from {self.d_source}); lr {fmt_lr(self.lr_at(1))} "
                      "at update 1")
-        logger.info(head + "; " + (f"stop once lr < {fmt_lr(self.stop_lr)}" if self.stop_lr > 0
-                                   else "no lr floor"))
+        logger.info(head + "; " + self.stop_rules())
 
     def lr_at(self, n: int) -> float:
         return inv_sqrt_decay_lr(n, self.lr_lambda, self.d, self.warmup_updates)

@@ -70,7 +70,7 @@ class ValDecay(PaperLRSchedule):
         lr <- lr * alpha_decay          (--lr-decay, paper 0.8)
 
     Validations during warmup enter the history but never decay the lr. Training stops
-    once the lr is below ``--stop-lr`` (paper 5e-5). lr, history and decays are kept in
+    once the lr is below ``--stop-lr`` (paper 5e-5), or when ``--stop-patience`` is exhausted. lr, history and decays are kept in
     :meth:`state_dict` as plain Python values, so a resumed run decides exactly as the
     uninterrupted one would.
     """
@@ -113,14 +113,13 @@ class ValDecay(PaperLRSchedule):
                    f"from {self.d_source}) to {fmt_lr(self.peak)} at update "
                    f"{self.warmup_updates}, then flat")
         self.flat_lr = self.peak
-        self.history: List[List[float]] = []  # [update, metric] per validation
         self.decays: List[List[float]] = []  # [update, lr before, lr after] per decay
         direction = "higher" if self.maximize else "lower"
         logger.info(
             f"val_decay: {how}; after each validation, lr *= {self.lr_decay:g} when valid "
             f"{self.metric_name} ({direction} is better) is worse than each of the previous "
             f"{self.patience}; "
-            + (f"stop once lr < {fmt_lr(self.stop_lr)}" if self.stop_lr > 0 else "no lr floor"))
+            + self.stop_rules())
 
     # ----- schedule ----------------------------------------------------------------------
     def lr_at(self, n: int) -> float:
@@ -171,7 +170,6 @@ class ValDecay(PaperLRSchedule):
         state.update({
             "flat_lr": float(self.flat_lr),
             "peak": float(self.peak),
-            "history": [[int(u), float(m)] for u, m in self.history],
             "decays": [[int(u), float(a), float(b)] for u, a, b in self.decays],
         })
         return state
@@ -181,7 +179,6 @@ class ValDecay(PaperLRSchedule):
         if "flat_lr" not in state_dict:
             return
         self.flat_lr = float(state_dict["flat_lr"])
-        self.history = [[int(u), float(m)] for u, m in state_dict.get("history", [])]
         self.decays = [[int(u), float(a), float(b)] for u, a, b in state_dict.get("decays", [])]
         recent = ", ".join(f"{m:.6g}" for _, m in self.history[-max(self.patience, 1):])
         logger.info(

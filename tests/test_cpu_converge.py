@@ -1,0 +1,75 @@
+"""The ``cpu_converge`` recipe and the ``cpu`` table (docs/results.md): every run ends by its own
+stopping rule, never at the update cap. A tiny run of the table's baseline row, trained through
+the runner with the recipe's flags, stops once dev BLEU has stalled for ``--stop-patience``
+validations, far before its ``--max-update``; its re-run does not train again."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from fairseq_normplug import checkpoint_safety
+from fairseq_normplug.experiments.configs import load_table
+from fairseq_normplug.experiments.runner import Run, last_flag_value, run_folder, train
+
+BASELINE = "PostNorm + LayerNorm + warmup"
+
+
+def test_every_row_of_the_cpu_table_stops_by_the_recipe_rule():
+    table = load_table("cpu")
+    assert table.recipe.name == "cpu_converge" and table.pairs == ["de-en", "az-en"]
+    assert [row.name for row in table.rows] == [
+        BASELINE, "PreNorm + LayerNorm + warmup", "PreNorm + FixNorm + ScaleNorm + NoWarmup",
+        "PreNorm + DyT + warmup", "PreNorm + FixNorm + DyT + NoWarmup"]
+    train_flags = table.recipe.train
+    assert int(last_flag_value(train_flags, "--stop-patience")) >= 2
+    assert table.recipe.decoding["beam"] > 1 and table.recipe.decoding["gnmt_search"]
+    for row in table.rows:
+        assert table.schedules[row.schedule].flags[1] in ("inv_sqrt_decay", "val_decay")  # both know the rule
+
+
+@pytest.fixture(scope="module")
+def stalled_run(tiny_prepared, tmp_path_factory):
+    """The baseline row on the tiny corpus, at the tiny size, with an lr so small that the
+    model does not change (and no lr floor): dev BLEU is the same at every validation, so the
+    run stalls from its first validation after warmup. Dev BLEU decodes greedily here, to keep
+    the test short: the rule does not depend on the search."""
+    root = tmp_path_factory.mktemp("converge")
+    table = dataclasses.replace(load_table("cpu"), pairs=["src-tgt"])
+    run = Run(table=table, pair="src-tgt", row=table.row(BASELINE), data_dir=tiny_prepared,
+              run_dir=run_folder(str(root), table.name, "src-tgt", BASELINE))
+    extra = ["--arch", "transformer_normplug_tiny", "--lr-lambda", "1e-9", "--stop-lr", "0",
+             "--warmup-updates", "10", "--validate-interval-updates", "10", "--max-update", "200",
+             "--eval-bleu-args", json.dumps({"beam": 1, "max_len_a": 1.2, "max_len_b": 10})]
+    lines = []
+    status = train(run, extra, echo=lines.append)
+    return run, extra, status, lines
+
+
+def test_a_stalled_run_stops_by_its_patience_before_the_cap(stalled_run):
+    run, _, status, _ = stalled_run
+    assert status["status"] == "done"
+    log = open(run.path("train.log"), encoding="utf-8").read()
+    validations = [json.loads(line.split("| valid | ", 1)[1]) for line in log.splitlines() if "| valid | " in line]
+    # validations at 10 (the best), 20, 30, 40: three without a gain (--stop-patience 3)
+    assert [int(v["valid_num_updates"]) for v in validations] == [10, 20, 30, 40]
+    assert len({v["valid_bleu"] for v in validations}) == 1
+    assert "stopping training after update 40: no gain for 3 validations" in log
+    assert status["updates"] == 40 < 200
+    assert status["stopped_by"].startswith("no gain for 3 validations (best ")
+    assert status["stopped_by"].endswith(" at update 10, --stop-patience 3)")
+    last = checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST))
+    assert last.updates == 40
+    assert "no gain for 3 validations" in checkpoint_safety.finished(last, 200)
+
+
+def test_a_stopped_run_is_not_trained_again(stalled_run):
+    run, extra, _, _ = stalled_run
+    run.set_status(status="running")  # as if killed after its final save
+    lines = []
+    status = train(run, extra, echo=lines.append)
+    assert status["status"] == "done" and status["updates"] == 40
+    assert status["stopped_by"].startswith("no gain for 3 validations")
+    assert any("training was over (no gain for 3 validations" in line for line in lines)
+    assert checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST)).updates == 40
+    assert os.path.exists(run.path("checkpoints", checkpoint_safety.BEST))
