@@ -10,7 +10,7 @@ import pytest
 
 from fairseq_normplug import checkpoint_safety
 from fairseq_normplug.experiments.configs import load_table
-from fairseq_normplug.experiments.runner import Run, last_flag_value, run_folder, train
+from fairseq_normplug.experiments.runner import Run, last_flag_value, run_folder, stopped_by, train
 
 BASELINE = "PostNorm + LayerNorm + warmup"
 
@@ -73,3 +73,18 @@ def test_a_stopped_run_is_not_trained_again(stalled_run):
     assert any("training was over (no gain for 3 validations" in line for line in lines)
     assert checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST)).updates == 40
     assert os.path.exists(run.path("checkpoints", checkpoint_safety.BEST))
+
+
+def test_stopped_by_reads_the_last_rule_from_the_log(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("2026-12-01 10:00:00 | INFO | x | val_decay: stopping training after update 30: "
+                   "lr 4e-05 < --stop-lr 5e-05\n"
+                   "2026-12-01 10:05:00 | INFO | x | inv_sqrt_decay: stopping training after update 90: "
+                   "no gain for 3 validations (best 7 at update 60, --stop-patience 3)\n")
+    assert stopped_by(str(log), 90, "1000") == "no gain for 3 validations (best 7 at update 60, --stop-patience 3)"
+    log.write_text("2026-12-01 | INFO | fairseq_cli.train | early stop since valid performance hasn't "
+                   "improved for last 5 runs\n")
+    assert stopped_by(str(log), 90, "1000") == "early stop since valid performance hasn't improved for last 5 runs"
+    log.write_text("no rule\n")
+    assert stopped_by(str(log), 1000, "1000") == "--max-update 1000"
+    assert stopped_by(str(log), 999, "1000") is None and stopped_by(str(log), 999, None) is None

@@ -100,7 +100,7 @@ def test_the_qknorm_number_is_its_authors_configuration_and_metric():
     assert "multi-bleu-detok.perl" in note and "LayerNorm + QKNorm" in note
     assert "different metric: the cells are tokenized BLEU" in note
     assert "ours in that metric: QKNorm authors (en\u2192vi) 31.40" in note
-    assert "| multi-bleu-detok | p |" in md  # the metric of the reference beside BLEU in the runs list
+    assert "| multi-bleu-detok | hyp/ref | p |" in md  # the metric of the reference beside BLEU in the runs list
 
 
 def test_a_reference_is_shown_only_beside_a_row_of_its_configuration(tmp_path):
@@ -137,8 +137,8 @@ def test_table6_cells_are_compound_split_bleu(tmp_path):
     table3 = md.split("## Table 3")[1].split("## ")[0]
     assert "Cells: tokenized BLEU (multi-bleu.perl on the tokenized test set)." in table3
     # plain tokenized BLEU and sacreBLEU beside it in the runs list
-    assert "| dev BLEU | BLEU | sacreBLEU | compound-split | p |" in md
-    assert f"| table6 | {FINAL} | {FINAL6} | en-de | ok |  |  |  |  | 26.90 | 26.10 | 27.80 | 0.2 |" in md
+    assert "| dev BLEU | BLEU | sacreBLEU | compound-split | hyp/ref | p |" in md
+    assert f"| table6 | {FINAL} | {FINAL6} | en-de | ok |  |  |  |  | 26.90 | 26.10 | 27.80 |  | 0.2 |" in md
     assert f"| table3 | {BASE} | {BASE3} | gl-en | ok | 11000 | 80.0 |  |  | 19.00 |  |  |  |" in md
 
 
@@ -167,7 +167,7 @@ def test_write_results_csv_and_markdown(tmp_path):
     assert "\u2020 p < 0.05, \u2021 p < 0.01" in md
     # every run; the sacreBLEU signature's pipes stay out of the table
     assert (f"| table3 | {FINAL} | {FINAL3} | gl-en | ok | 12000 | 95.2 | 11000 | 23.40 | 21.50 | 20.10 |  "
-            f"| 0.004 |") in md
+            f"|  | 0.004 |") in md
     assert "sacreBLEU signature: `nrefs:1|case:mixed|tok:13a`" in md
 
 
@@ -189,14 +189,30 @@ def test_runs_with_run_on_or_truncated_output_are_flagged(tmp_path):
     assert "| Long | 0.63\u2021" + mark + " | - |" in md and "| Short | 3.50" + mark + " | - |" in md
     assert "| Fine | 20.00 | - |" in md and "| Edges | 10.00 | 11.00 |" in md
     assert "| Unknown | 12.00 | - |" in md and "| Diverged | *diverged* | - |" in md
-    assert "| t | Long | t/aa-bb/Long | aa-bb | ok |  |  |  |  | 0.63" + mark + " |  | 0.001 |" in md
+    assert "| t | Long | t/aa-bb/Long | aa-bb | ok |  |  |  |  | 0.63" + mark + " |  | 2.200 | 0.001 |" in md
     assert md.count(mark) == 5  # two table cells, two run-list cells, one footnote
+    assert "stopped by" not in md  # no run says which rule ended its training
+
     note = next(line for line in md.splitlines() if line.startswith(mark + " "))
     assert "outside 0.5-2" in note and "Long (t, aa-bb): 2.20; Short (t, aa-bb): 0.45." in note
     assert md.index(note) < md.index("## Table T")
 
     _, clean_md = tables.write_results(rows[2:4], str(tmp_path / "clean"), paper)
     assert mark not in open(clean_md, encoding="utf-8").read()
+
+
+def test_the_runs_list_names_the_rule_that_stopped_each_run(tmp_path):
+    rows = [run("t", "A", "aa-bb", tokenized_bleu=20.0, length_ratio=0.98, updates=2400,
+                stopped_by="no gain for 3 validations (best 30 at update 1800, --stop-patience 3)"),
+            run("t", "B", "aa-bb", tokenized_bleu=21.0, updates=3000, stopped_by="--max-update 3000")]
+    csv_path, md_path = tables.write_results(rows, str(tmp_path), {})
+    assert [r["stopped_by"] for r in tables.read_results_csv(csv_path)] == [
+        "no gain for 3 validations (best 30 at update 1800, --stop-patience 3)", "--max-update 3000"]
+    md = open(md_path, encoding="utf-8").read()
+    assert "| status | updates | stopped by | minutes |" in md
+    assert ("| t | A | t/aa-bb/A | aa-bb | ok | 2400 | no gain for 3 validations (best 30 at update 1800, "
+            "--stop-patience 3) |") in md
+    assert "| ok | 3000 | --max-update 3000 |" in md and "| 0.980 |" in md
 
 
 def test_an_explicit_paper_number_wins_and_rows_outside_the_paper_are_kept(tmp_path):

@@ -507,10 +507,13 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
              "are both tokenized BLEU of that checkpoint with the same decoder.")
     if seeds:
         intro += " One line per seed; p is the cell's, over all its seeds."
+    stops = any(r["stopped_by"] for r in rows)  # the rule that ended each training, when known
     head = ["table", "row", "config", "pair"] + (["seed"] if seeds else []) + [
-        "status", "updates", "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU"] + [
-        METRIC_COLUMNS[m] for m in extra] + ["p"]
-    align = ["---"] * (5 if seeds else 4) + ["---"] + ["---:"] * (len(head) - (6 if seeds else 5))
+        "status", "updates"] + (["stopped by"] if stops else []) + [
+        "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU"] + [
+        METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"]
+    align = ["---"] * (5 if seeds else 4) + ["---", "---:"] + (["---"] if stops else []) + \
+        ["---:"] * (len(head) - (7 if seeds else 6) - stops)
     lines = ["## Runs", "", intro, "", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
     for r in rows:
         sacre, bleu = _num(r["sacrebleu"]), _num(r["tokenized_bleu"])
@@ -518,9 +521,10 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
         if sacre and len(signatures) > 1:
             sacre += f" [{signatures.index(r['sacrebleu_signature']) + 1}]"
         values = [r["table"], r["row"], r["config"], r["pair"]] + ([r["seed"]] if seeds else []) + [
-            r["status"], "" if r["updates"] is None else r["updates"], _num(r["minutes"], 1),
-            "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
-            bleu, sacre] + [_num(r[m]) for m in extra] + ["" if r["p_value"] is None else f"{r['p_value']:.3g}"]
+            r["status"], "" if r["updates"] is None else r["updates"]] + ([r["stopped_by"] or ""] if stops else []) + [
+            _num(r["minutes"], 1), "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
+            bleu, sacre] + [_num(r[m]) for m in extra] + [
+            _num(r["length_ratio"], 3), "" if r["p_value"] is None else f"{r['p_value']:.3g}"]
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")
     if len(signatures) == 1:
