@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # Run the test suite (sets up .venv/ first if needed). Extra arguments go to pytest,
 # e.g. scripts/test.sh -k scalenorm -x
+# The test files run in parallel, one worker per core (at most 8; NORMPLUG_TEST_WORKERS=N
+# overrides, 0 = no workers), each file's tests on one worker (pytest-xdist --dist loadfile,
+# so a module's fixtures are built once).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
-exec "${NORMPLUG_VENV:-$ROOT/.venv}/bin/python" -m pytest tests "$@"
+CORES=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+WORKERS=${NORMPLUG_TEST_WORKERS:-$(( CORES < 8 ? CORES : 8 ))}
+PARALLEL=()
+if [ "$WORKERS" -gt 1 ]; then
+  PARALLEL=(-n "$WORKERS" --dist loadfile)
+fi
+exec "${NORMPLUG_VENV:-$ROOT/.venv}/bin/python" -m pytest tests ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"

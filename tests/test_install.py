@@ -160,7 +160,7 @@ def test_pyproject_and_install_plan_agree():
         f"torch>={install_plan.MIN_TORCH}"]
     assert not [r for r in requires if r.startswith(("fairseq", "torchaudio", "torchvision"))]
     extras = project["optional-dependencies"]
-    assert {r.split(">")[0] for r in extras["test"]} == {"pytest", "pytest-timeout", "submitit"}
+    assert {r.split(">")[0] for r in extras["test"]} == {"pytest", "pytest-timeout", "pytest-xdist", "submitit"}
     assert extras["slurm"] == ["submitit>=1.5"]
     assert project["scripts"] == {"fairseq-normplug-path": "fairseq_normplug.cli:print_user_dir"}
 

@@ -438,8 +438,9 @@ def test_collect_writes_the_table_from_what_has_finished(fake_data, tmp_path, ca
     reproduce.main(["demo", "--data", f"src-tgt={fake_data}", "--runs-dir", str(tmp_path / "runs"),
                     "--results-dir", str(results), "--collect"])
     assert "collected 0 of 3 runs with a result" in capsys.readouterr().out
-    with open(results / "results.csv", encoding="utf-8") as f:
-        assert [row["status"] for row in csv.DictReader(f)] == ["failed", "failed", "failed"]
+    with open(results / "results.csv", encoding="utf-8") as f:  # not started yet: not failed
+        assert [row["status"] for row in csv.DictReader(f)] == ["pending", "pending", "pending"]
+    assert "| PostNorm + LayerNorm + warmup | *pending* |" in (results / "results.md").read_text(encoding="utf-8")
 
 
 def test_demo_trains_every_seed_with_the_jobs_asked_for(fake_data, tmp_path, monkeypatch):

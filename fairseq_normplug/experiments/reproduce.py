@@ -33,6 +33,8 @@ from fairseq_normplug.experiments.training_log import parse_training_log
 SPEED_PATH = os.path.join(CONFIG_DIR, "speed.json")
 
 #: run status (status.json) -> results-table status
+#: a run's status.json state -> its results.csv status; ``pending`` (never started) is a failure
+#: once the table has run, and ``pending`` in a table collected while it runs (``--collect``)
 RESULT_STATUS = {"done": "ok", "pending": "failed"}
 
 
@@ -80,10 +82,12 @@ def cell_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "
                                        refs, metric=metric).p_value
 
 
-def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None) -> List[dict]:
+def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, collecting: bool = False) -> List[dict]:
     """One results-table row per run (per seed), with its cell's p-value against the baseline
     row on the same pair (:func:`cell_p_value`, in the table's cell metric of ``paper``,
-    default configs/paper_results.json), the same on every seed's row."""
+    default configs/paper_results.json), the same on every seed's row. ``collecting``: the
+    table is still running, so a run not started yet is ``pending``, not ``failed``."""
+    status_names = {**RESULT_STATUS, **({"pending": "pending"} if collecting else {})}
     metric = tables.cell_metric(tables.load_paper_results() if paper is None else paper, table.name)
     cells: Dict[tuple, Dict[int, Run]] = {}
     for run in runs:
@@ -106,7 +110,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None) -> 
             "multi_bleu_detok": scores.get("multi_bleu_detok"),
             "p_value": p_values[(run.pair, run.row.name)] if scores else None,
             "length_ratio": bleu.length_ratio(scores),
-            "status": RESULT_STATUS.get(status["status"], status["status"]),
+            "status": status_names.get(status["status"], status["status"]),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
             "stopped_by": status.get("stopped_by"),
             "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
@@ -134,9 +138,10 @@ def figure_logs(runs: List[Run], pairs: Sequence[str]) -> Dict[str, List[str]]:
     return logs
 
 
-def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[[str], None] = print) -> List[dict]:
+def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[[str], None] = print,
+                collecting: bool = False) -> List[dict]:
     """results.csv, results.md and the figures from whatever the runs' folders hold now."""
-    results = result_rows(table, runs)
+    results = result_rows(table, runs, collecting=collecting)
     os.makedirs(results_dir, exist_ok=True)
     tables.write_results(results, results_dir, title=table.title)
     pairs = list(dict.fromkeys(run.pair for run in runs))
@@ -393,7 +398,7 @@ def main(argv=None):
             elif args.status:
                 print_status(runs)
             else:
-                write_table(table, runs, results_dir)
+                write_table(table, runs, results_dir, collecting=True)
                 finished = sum(launchers.failure_of(run) is None for run in runs)
                 print(f"[reproduce] collected {finished} of {len(runs)} runs with a result")
             return

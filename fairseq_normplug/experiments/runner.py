@@ -362,7 +362,8 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     over = checkpoint_safety.finished(last, int(max_update) if max_update else None)
     if over:
         echo(f"[{run.label}] training was over ({over}); not resumed")
-        return _training_done(run, minutes_before, last.updates, status.get("stopped_by") or over)
+        stopped = stopped_by(run.path("train.log"), last.updates, max_update) if os.path.exists(run.path("train.log")) else None
+        return _training_done(run, minutes_before, last.updates, stopped or over)
     started = time.time()
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if status['status'] == 'running' else 'starting'}); "

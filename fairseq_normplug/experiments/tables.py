@@ -44,7 +44,7 @@ from fairseq_normplug.errors import NormplugError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
-STATUSES = ("ok", "diverged", "failed", "running")
+STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not started (--collect)
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
           "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by")

@@ -38,8 +38,16 @@ DEFAULT_MIN_NUMEL = 65536
 # One compiled graph per (kernel, width, dtype, device, squash): allow more than dynamo's
 # default 8 per function (a GPU benchmark of 3 dtypes x 2 widths x 3 squashes needs 18).
 RECOMPILE_LIMIT = 64
-if getattr(torch._dynamo.config, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
-    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+
+
+def dynamo():
+    """``torch._dynamo``, imported on the first compiled call (importing it costs every process
+    that loads the plugin about a second), with :data:`RECOMPILE_LIMIT` set."""
+    import torch._dynamo
+
+    if getattr(torch._dynamo.config, "recompile_limit", RECOMPILE_LIMIT) < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    return torch._dynamo
 
 # Rational approximation of tanh on [-c, c] (the float32 "fast tanh" of Eigen/XLA):
 # tanh(x) ~ x * P(x^2) / Q(x^2); max relative error 4e-7 over all float32 inputs.
@@ -57,7 +65,8 @@ _disabled = set()
 #: and ``BackendCompilerFailed`` derive from ``TorchDynamoException``). Anything else
 #: raised by a compiled call, e.g. out of memory while it runs, is a runtime error and
 #: propagates.
-BUILD_ERRORS = (torch._dynamo.exc.TorchDynamoException,)
+def build_errors() -> tuple:
+    return (dynamo().exc.TorchDynamoException,)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -180,12 +189,12 @@ class Kernel:
             x, *args = [t.detach() if isinstance(t, torch.Tensor) else t for t in (x, *args)]
             for t in (x, *args):
                 if isinstance(t, torch.Tensor) and t.dim() == 2:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                    dynamo().maybe_mark_dynamic(t, 0)
             compiled = self._build()
             if compiled is not None:
                 try:
                     return compiled(x, *args)
-                except BUILD_ERRORS as exc:  # compiling for a new width/dtype failed
+                except build_errors() as exc:  # compiling for a new width/dtype failed
                     self._give_up(exc)
         return self.fn(x, *args)
 

@@ -138,6 +138,7 @@ class TargetVocabMask(nn.Module):
                                 f"got {tuple(allowed.shape)} {allowed.dtype}")
         self.register_buffer("allowed", allowed.clone())
         self.num_allowed = int(allowed.sum())  # a Python int: the loss needs no device sync
+        self._masked = (None, None)  # (what it was computed from, the masked types' indices)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -145,14 +146,24 @@ class TargetVocabMask(nn.Module):
             self.ready = True
             self.num_allowed = int(state_dict[prefix + "allowed"].sum())
 
+    def masked_index(self) -> torch.Tensor:
+        """The indices of the masked types (a long tensor on ``allowed``'s device), recomputed
+        only when ``allowed`` changes (a load, a move, an in-place edit)."""
+        key = (self.allowed.data_ptr(), self.allowed._version, self.allowed.device)
+        if self._masked[0] != key:
+            self._masked = (key, torch.nonzero(~self.allowed).flatten())
+        return self._masked[1]
+
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` with the masked columns set (in place: they are freshly computed; no
-        gradient flows through the masked columns)."""
+        gradient flows through the masked columns). ``index_fill_`` over the masked columns,
+        not ``masked_fill_`` with the broadcast mask: the same values, several times faster on
+        CPU, where ``masked_fill`` is a serial loop over every logit."""
         if not self.ready:
             raise NormplugError("--target-vocab-mask: the data dir has no binarized training targets to "
                                 "build the mask from and no checkpoint was loaded; train on a data dir "
                                 "with train.SRC-TGT.TGT or decode with --path CHECKPOINT")
-        return logits.masked_fill_(~self.allowed, masked_logit_value(logits.dtype))
+        return logits.index_fill_(-1, self.masked_index(), masked_logit_value(logits.dtype))
 
     def extra_repr(self) -> str:
         return f"allowed={int(self.allowed.sum())}/{self.allowed.numel()}"
