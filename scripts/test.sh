@@ -3,7 +3,8 @@
 # e.g. scripts/test.sh -k scalenorm -x
 # The test files run in parallel, one worker per core (at most 8; NORMPLUG_TEST_WORKERS=N
 # overrides, 0 = no workers), each file's tests on one worker (pytest-xdist --dist loadfile,
-# so a module's fixtures are built once).
+# so a module's fixtures are built once), with the cores shared out among the workers
+# (OMP_NUM_THREADS = cores / workers unless set).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$ROOT/scripts/setup_env.sh"
@@ -13,5 +14,8 @@ WORKERS=${NORMPLUG_TEST_WORKERS:-$(( CORES < 8 ? CORES : 8 ))}
 PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then
   PARALLEL=(-n "$WORKERS" --dist loadfile)
+  # the cores shared out: two 2-thread trainings on 2 cores would each run slower than alone
+  THREADS=$(( CORES / WORKERS > 0 ? CORES / WORKERS : 1 ))
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS} MKL_NUM_THREADS=${MKL_NUM_THREADS:-$THREADS}
 fi
 exec "${NORMPLUG_VENV:-$ROOT/.venv}/bin/python" -m pytest tests ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"

@@ -39,6 +39,20 @@ def pytest_configure(config):
             r"error:fairseq-normplug. (native CPU norm kernels unavailable|torch\.compile of):RuntimeWarning")
 
 
+#: the files that take longest (measured on 2 cores, longest first): collected first, so that the
+#: parallel workers of scripts/test.sh (pytest-xdist, one file per worker at a time) start them
+#: first and finish together instead of one worker ending the run alone
+SLOW_FILES = ("test_cli.py", "test_prepare.py", "test_fast_norms.py", "test_experiments.py", "test_launchers.py",
+              "test_gpu_check.py", "test_kill_rerun.py", "test_diagnostics.py", "test_lr_schedulers_cli.py",
+              "test_wheel.py", "test_entry_points.py", "test_demo.py", "test_precision.py", "test_beyond.py",
+              "test_cpu_converge.py", "test_figures.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def scripts_use_this_environment():
     """The scripts a test runs (scripts/*.sh call scripts/setup_env.sh first) use the
