@@ -66,6 +66,7 @@ _disabled = set()
 #: raised by a compiled call, e.g. out of memory while it runs, is a runtime error and
 #: propagates.
 def build_errors() -> tuple:
+    """What compiling a kernel raises when it cannot be built (the comment above)."""
     return (dynamo().exc.TorchDynamoException,)
 
 
@@ -187,9 +188,10 @@ class Kernel:
         if self.path(x) == "compiled":
             # detached: a requires_grad flag would be guarded on and cost a recompile
             x, *args = [t.detach() if isinstance(t, torch.Tensor) else t for t in (x, *args)]
+            dyn = dynamo()  # imported and configured before the first compile
             for t in (x, *args):
                 if isinstance(t, torch.Tensor) and t.dim() == 2:
-                    dynamo().maybe_mark_dynamic(t, 0)
+                    dyn.maybe_mark_dynamic(t, 0)
             compiled = self._build()
             if compiled is not None:
                 try:
