@@ -362,8 +362,8 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     over = checkpoint_safety.finished(last, int(max_update) if max_update else None)
     if over:
         echo(f"[{run.label}] training was over ({over}); not resumed")
-        stopped = stopped_by(run.path("train.log"), last.updates, max_update) if os.path.exists(run.path("train.log")) else None
-        return _training_done(run, minutes_before, last.updates, stopped or over)
+        return _training_done(run, minutes_before, last.updates,
+                              stopped_by(run.path("train.log"), last.updates, max_update) or over)
     started = time.time()
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if status['status'] == 'running' else 'starting'}); "
@@ -407,14 +407,15 @@ STOP_LINES = (re.compile(r"stopping training after update \d+: (?P<reason>.+)$")
 def stopped_by(log_path: str, updates: Optional[int], max_update: Optional[str]) -> Optional[str]:
     """Why a finished training ended: the last stopping rule its log names (``--stop-lr``,
     ``--stop-patience``, fairseq's ``--patience``), else ``--max-update N`` when it reached it,
-    else None (e.g. ``--max-epoch``)."""
+    else None (e.g. ``--max-epoch``, or no log)."""
     reason = None
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            for pattern in STOP_LINES:
-                match = pattern.search(line.rstrip())
-                if match:
-                    reason = match.group("reason")
+    if os.path.exists(log_path):
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                for pattern in STOP_LINES:
+                    match = pattern.search(line.rstrip())
+                    if match:
+                        reason = match.group("reason")
     if reason:
         return reason
     if updates is not None and max_update and updates >= int(max_update):
