@@ -43,3 +43,30 @@ def randomized(module, seed=0):
             p.mul_(torch.rand(p.shape, generator=g) + 0.5)
             p.add_(0.1 * torch.randn(p.shape, generator=g))
     return module
+
+
+def incremental_and_full(model, task, batch=2, length=6):
+    """The decoder's output on a toy batch step by step with ``incremental_state`` (concatenated)
+    and in one full forward, in eval mode without gradients: (steps, full)."""
+    model.eval()
+    src, lengths, prev = toy_batch(task, batch=batch, length=length)
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=lengths)
+        full = model.decoder(prev, encoder_out=encoder_out)[0]
+        state = {}
+        steps = [model.decoder(prev[:, :t + 1], encoder_out=encoder_out, incremental_state=state)[0]
+                 for t in range(prev.size(1))]
+    return torch.cat(steps, dim=1), full
+
+
+def assert_same_model(ours, stock, task):
+    """Same parameter names (in order) and values, same module types, same output."""
+    ours_sd, stock_sd = ours.state_dict(), stock.state_dict()
+    assert list(ours_sd) == list(stock_sd)
+    for name in stock_sd:
+        assert torch.equal(ours_sd[name], stock_sd[name]), name
+    assert [type(m) for m in ours.modules()][1:] == [type(m) for m in stock.modules()][1:]
+    ours.eval(), stock.eval()
+    src, lengths, prev = toy_batch(task)
+    with torch.no_grad():
+        assert torch.equal(ours(src, lengths, prev)[0], stock(src, lengths, prev)[0])

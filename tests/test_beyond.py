@@ -21,7 +21,7 @@ from fairseq_normplug.modules.qknorm import (HeadNormProjection, length_percenti
                                              training_target_lengths)
 from fairseq_normplug.modules.residual_scale import deepnorm_constants, layerscale_init
 from fairseq_normplug.modules.weight_init import tfixup_scales
-from model_helpers import build, parse_args, randomized, toy_batch
+from model_helpers import build, incremental_and_full, parse_args, randomized, toy_batch
 from test_cli import USER_DIR, train
 
 TINY = "transformer_normplug_tiny"
@@ -192,16 +192,8 @@ INCREMENTAL = {
 @pytest.mark.parametrize("name", list(INCREMENTAL))
 def test_incremental_decoding_equals_the_full_forward(tiny_bin, name):
     model, task, _ = build(tiny_bin, TINY, *INCREMENTAL[name])
-    randomized(model, seed=1)  # ReZero's a = 0 would hide the sublayers
-    model.eval()
-    src, lengths, prev = toy_batch(task, batch=2, length=6)
-    with torch.no_grad():
-        encoder_out = model.encoder(src, src_lengths=lengths)
-        full = model.decoder(prev, encoder_out=encoder_out)[0]
-        state = {}
-        steps = [model.decoder(prev[:, :t + 1], encoder_out=encoder_out, incremental_state=state)[0]
-                 for t in range(prev.size(1))]
-    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-4)
+    steps, full = incremental_and_full(randomized(model, seed=1), task)  # ReZero's a = 0 would hide the sublayers
+    assert torch.allclose(steps, full, atol=1e-4)
 
 
 def toy_sample(task, seed=0):

@@ -59,3 +59,24 @@ def test_a_fallback_warning_inside_this_process_is_an_error():
         warnings.warn(WARNING, RuntimeWarning)
     with pytest.warns(RuntimeWarning, match="native CPU norm kernels unavailable"):
         warnings.warn(WARNING, RuntimeWarning)
+
+
+FAST_START_CHECK = """
+import sys, fairseq_cli.train
+placeholders = sorted(n for n in ("sklearn", "sklearn.metrics", "scipy", "scipy.stats")
+                      if type(sys.modules[n]).__name__ == "_Placeholder")
+import fairseq.criterions.sentence_prediction as sp
+f1 = sp.f1_score([1, 0, 1], [1, 0, 0])
+r = sp.pearsonr([1.0, 2.0, 3.0], [1.0, 2.0, 4.0])[0]
+import scipy.linalg, sklearn
+print(placeholders, round(f1, 4), round(float(r), 4), scipy.linalg.det([[1, 2], [3, 4]]),
+      type(sys.modules["sklearn"]).__name__, bool(sklearn.__version__))
+"""
+
+
+def test_commands_start_without_importing_sklearn_and_scipy_until_used():
+    """tests/fast_start: fairseq starts with placeholders, and the first use gets the real
+    modules (same values as scikit-learn and scipy compute)."""
+    proc = run_cli([sys.executable, "-c", FAST_START_CHECK])
+    assert proc.stdout.split("] ")[0] + "]" == "['scipy', 'scipy.stats', 'sklearn', 'sklearn.metrics']"
+    assert proc.stdout.split("] ")[1].split() == ["0.6667", "0.982", "-2.0", "module", "True"]

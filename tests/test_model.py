@@ -17,7 +17,7 @@ from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
 from fairseq_normplug.modules.identity_norm import IdentityNorm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
-from model_helpers import build, parse_args, toy_batch
+from model_helpers import assert_same_model, build, parse_args, toy_batch
 
 LAYERNORM_CLASS = type(LayerNorm(4))
 NORM_CLASSES = {"layernorm": LAYERNORM_CLASS, "scalenorm": ScaleNorm, "rmsnorm": RMSNorm,
@@ -296,14 +296,7 @@ def test_flags_off_equals_stock_transformer(tiny_bin, arch, stock_arch, extra):
     ours, task, _ = build(tiny_bin, arch, *extra, seed=3)
     stock, _, _ = build(tiny_bin, stock_arch, *extra, seed=3)
     assert type(ours).__mro__[1] is type(stock)
-    ours_sd, stock_sd = ours.state_dict(), stock.state_dict()
-    assert list(ours_sd) == list(stock_sd)
-    for name in stock_sd:
-        assert torch.equal(ours_sd[name], stock_sd[name]), name
-    assert [type(m) for m in ours.modules()][1:] == [type(m) for m in stock.modules()][1:]
-    ours.eval(), stock.eval()
-    src, lengths, prev = toy_batch(task)
-    assert torch.equal(ours(src, lengths, prev)[0], stock(src, lengths, prev)[0])
+    assert_same_model(ours, stock, task)
 
 
 def test_stock_state_dict_loads_strictly(tiny_bin):

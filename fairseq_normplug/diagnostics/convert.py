@@ -68,12 +68,16 @@ def replace_norms(model, make) -> Dict[str, object]:
 def converted_state(loaded: LoadedCheckpoint, model, norm_type: str) -> dict:
     """The checkpoint of ``model``: the input's, with the converted weights, the stored model
     configuration switched to ``transformer_normplug --norm-type <norm_type>`` and no
-    optimizer state (it belonged to other parameters)."""
+    optimizer state (it belonged to other parameters). The converted norms hold the applied
+    gain (1 + gamma of a ``--zero-centered-gamma`` LayerNorm) as a stock gamma, so the stored
+    configuration has ``zero_centered_gamma`` off."""
     state = {key: value for key, value in loaded.state.items() if key != "last_optimizer_state"}
     state["model"] = model.state_dict()
     cfg = copy.deepcopy(loaded.state["cfg"])
     with open_dict(cfg):
         updates = {"arch": "transformer_normplug", "_name": "transformer_normplug", "norm_type": norm_type}
+        if getattr(cfg.model, "zero_centered_gamma", False):  # the gain is now a stock gamma
+            updates["zero_centered_gamma"] = False
         if isinstance(cfg.model, argparse.Namespace):
             for key, value in updates.items():
                 setattr(cfg.model, key, value)

@@ -16,6 +16,10 @@ x)``) and alpha searched again, kept only if it lowers the error. Derf (``gamma 
 Conversion targets are a table (:data:`TARGETS`): each names the ``--norm-type`` of the
 converted model, its naive swap (the target's default init, gamma and beta copied) and its
 fitter. A new norm-free type adds one :class:`Target` row.
+
+A LayerNorm trained with ``--zero-centered-gamma`` (``LayerNorm1p``) is read through its
+applied gain 1 + gamma (``norm_base.effective_gain``); the converted modules hold that gain
+as a stock (not zero-centred) gamma.
 """
 import math
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ from torch import nn
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.derf import DERF_DEFAULT_ALPHA, Derf
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
+from fairseq_normplug.modules.norm_base import effective_gain
 
 #: DyT's default alpha init, the naive swap's alpha (DyT paper, section 7)
 NAIVE_DYT_ALPHA = 0.5
@@ -89,7 +94,7 @@ def fit_squash(layer_norm: nn.Module, x: torch.Tensor, y: torch.Tensor, squash, 
     module docstring): gamma, beta copied; alpha by :func:`minimise_log_scalar`; with
     ``fit_shift`` the scalar s in [-1, 1] by golden-section search, alternating with alpha;
     with ``refit_gamma`` gamma per channel in closed form, kept only if the error drops."""
-    gamma = layer_norm.weight.detach().float()
+    gamma = effective_gain(layer_norm).detach().float()
     beta = layer_norm.bias.detach().float()
     x, y = x.float(), y.float()
     in_std = float(x.std())
@@ -130,7 +135,7 @@ def naive_dyt(layer_norm: nn.Module) -> DynamicTanh:
     """DyT with the default alpha 0.5 and the LayerNorm's gamma and beta: what swapping the
     modules (as DyT's official converter does) and copying the affine parameters gives."""
     return _with_affine(DynamicTanh(layer_norm.normalized_shape[-1], alpha_init=NAIVE_DYT_ALPHA), layer_norm,
-                        layer_norm.weight.detach(), layer_norm.bias.detach())
+                        effective_gain(layer_norm).detach(), layer_norm.bias.detach())
 
 
 def fit_dyt(layer_norm: nn.Module, x: torch.Tensor, y: torch.Tensor, refit_gamma: bool = True
@@ -146,7 +151,7 @@ def fit_dyt(layer_norm: nn.Module, x: torch.Tensor, y: torch.Tensor, refit_gamma
 def naive_derf(layer_norm: nn.Module) -> Derf:
     """Derf with its default alpha 0.5 and shift 0, the LayerNorm's gamma and beta."""
     return _with_affine(Derf(layer_norm.normalized_shape[-1], alpha_init=DERF_DEFAULT_ALPHA), layer_norm,
-                        layer_norm.weight.detach(), layer_norm.bias.detach())
+                        effective_gain(layer_norm).detach(), layer_norm.bias.detach())
 
 
 def fit_derf(layer_norm: nn.Module, x: torch.Tensor, y: torch.Tensor, refit_gamma: bool = True

@@ -41,11 +41,13 @@ from fairseq_normplug.diagnostics.loading import (  # noqa: E402
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.experiments.figures import save_figure  # noqa: E402
 from fairseq_normplug.experiments.tables import write_text_atomic  # noqa: E402
+from fairseq_normplug.modules.norm_base import effective_gain  # noqa: E402
 
 NORM_CSV_FIELDS = ("site", "norm_type", "in_std", "inverse_std", "scale", "scale_kind", "gain",
                    "saturated_fraction", "tokens")
 ATTENTION_CSV_FIELDS = ("attention", "stack", "layer", "kind", "max_logit", "entropy", "queries")
-NORM_TYPE_NAMES = {"LayerNorm": "layernorm", "FusedLayerNorm": "layernorm", "ScaleNorm": "scalenorm",
+NORM_TYPE_NAMES = {"LayerNorm": "layernorm", "FusedLayerNorm": "layernorm", "LayerNorm1p": "layernorm",
+                   "ScaleNorm": "scalenorm",
                    "RMSNorm": "rmsnorm", "DynamicTanh": "dyt", "Derf": "derf", "DyISRU": "dyisru",
                    "IdentityNorm": "identity"}
 POINTS_PER_PANEL = 4000
@@ -76,7 +78,7 @@ def site_statistics(name: str, norm, x: torch.Tensor) -> dict:
     """One ``norms.csv`` row."""
     scale, kind = equivalent_scale(norm, x)
     in_std = float(x.std())
-    weight = getattr(norm, "weight", None)
+    weight = effective_gain(norm)  # 1 + gamma with --zero-centered-gamma
     saturated = norm.saturated_fraction(x) if hasattr(norm, "saturated_fraction") else None
     return {"site": name, "norm_type": NORM_TYPE_NAMES.get(type(norm).__name__, type(norm).__name__.lower()),
             "in_std": in_std, "inverse_std": 1.0 / in_std if in_std else math.nan, "scale": scale,

@@ -1,19 +1,23 @@
 """Flags of the normalization designs that followed the two papers (issue 12): QKNorm,
-residual scaling (ReZero, LayerScale, DeepNorm), T-Fixup (a ``--weight-init`` choice) and the
-learnable embedding scale; see docs/beyond.md. Validated with the other plugin flags at
-argument-parse time; every combination a method's paper does not define is refused here."""
+residual scaling (ReZero, LayerScale, DeepNorm, Admin), T-Fixup (a ``--weight-init`` choice) and the
+learnable embedding scale; see docs/beyond.md. Also ``--norm-weight-decay`` (the weight
+decay of norm parameters and scalar gains, fairseq_normplug/optim/norm_weight_decay.py).
+Validated with the other plugin flags at argument-parse time; every combination a method's
+paper does not define is refused here."""
 from dataclasses import dataclass
 from typing import Optional
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.embed_scale import EMBED_SCALES
 from fairseq_normplug.modules.residual_scale import RESIDUAL_SCALES
+from fairseq_normplug.optim.norm_weight_decay import check_norm_weight_decay_args
 
 BEYOND_DEFAULTS = {
     "qknorm": False,
     "qknorm_g0": None,  # computed from the training data in build_model when not given
     "residual_scale": None,
     "embed_scale": None,
+    "norm_weight_decay": None,  # None: --weight-decay for every parameter (stock, one param group)
 }
 
 
@@ -28,10 +32,15 @@ def add_beyond_args(add) -> None:
     add("--residual-scale", choices=RESIDUAL_SCALES,
         help="residual branch scaling: none (default), rezero (x + a*F(x), a=0 at init), layerscale "
              "(x + diag(l)*F(x), CaiT init), deepnorm (PostNorm(alpha*x + F(x)) with DeepNet's "
-             "beta init)")
+             "beta init), admin (PostNorm(omega*x + F(x)), omega profiled on the first batch)")
     add("--embed-scale", choices=EMBED_SCALES,
         help="embedding scale: fixed (default, fairseq's sqrt(d), or 1 with --no-scale-embedding) "
              "or learnable (a learnable scalar starting there; DyT's LLM recipe)")
+    add("--norm-weight-decay", type=float, metavar="WD",
+        help="weight decay of the norm parameters (every norm's gains/biases/g/alpha) and the "
+             "scalar or per-channel gains (--residual-scale, QKNorm's g, --embed-scale learnable), "
+             "in their own optimizer param group; default: --weight-decay (stock: one group); "
+             "0 excludes them from weight decay")
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,7 @@ class BeyondSettings:
     qknorm_g0: Optional[float]
     residual_scale: str
     embed_scale: str
+    norm_weight_decay: Optional[float] = None  # None: not given, --weight-decay for everything
 
 
 def resolve_beyond_args(args, norm_type: str, prenorm: bool, weight_init_given: bool) -> BeyondSettings:
@@ -73,13 +83,26 @@ def resolve_beyond_args(args, norm_type: str, prenorm: bool, weight_init_given: 
     if residual == "deepnorm":
         if prenorm:
             refuse("--residual-scale deepnorm is defined for PostNorm only (DeepNet, Wang et al. "
-                   "2022); drop --prenorm / --encoder-normalize-before / --decoder-normalize-before")
+                   "2022); drop --prenorm / --norm-placement pre / --encoder-normalize-before / --decoder-normalize-before")
         if norm_type == "identity":
             refuse("--residual-scale deepnorm needs a norm after each residual (alpha*x grows "
                    "unboundedly without it); choose a --norm-type other than identity")
         if weight_init_given:
             refuse(f"--residual-scale deepnorm brings its own init (DeepNet's beta-scaled Xavier); "
                    f"drop --weight-init {args.weight_init}")
+    if residual == "admin":
+        if prenorm:
+            refuse("--residual-scale admin is defined for PostNorm only (Admin, Liu et al. 2020); "
+                   "drop --prenorm / --norm-placement pre / --encoder-normalize-before / --decoder-normalize-before")
+        if norm_type == "identity":
+            refuse("--residual-scale admin needs a norm after each residual (its omegas scale the "
+                   "residual up); choose a --norm-type other than identity")
+        low = [flag for flag in ("fp16", "bf16") if getattr(args, flag, False)]
+        if low and not any(getattr(args, flag, False) for flag in
+                           ("memory_efficient_fp16", "memory_efficient_bf16", "amp")):
+            refuse(f"--residual-scale admin cannot be combined with --{low[0]} (its fp32 master weights "
+                   f"are copied before the profiling pass sets omega); use --amp or "
+                   f"--memory-efficient-{low[0]}")
     if args.weight_init == "tfixup":
         if norm_type != "identity":
             refuse(f"--weight-init tfixup is for models without norms (T-Fixup, Huang et al. 2020); "
@@ -90,5 +113,7 @@ def resolve_beyond_args(args, norm_type: str, prenorm: bool, weight_init_given: 
         if getattr(args, "fixnorm", False):
             refuse("--weight-init tfixup cannot be combined with --fixnorm: T-Fixup sets the "
                    "embedding init and scale itself")
+    norm_weight_decay = check_norm_weight_decay_args(args)
     return BeyondSettings(qknorm=args.qknorm, qknorm_g0=args.qknorm_g0,
-                          residual_scale=residual, embed_scale=embed_scale)
+                          residual_scale=residual, embed_scale=embed_scale,
+                          norm_weight_decay=norm_weight_decay)

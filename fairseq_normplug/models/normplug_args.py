@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
+from fairseq_normplug.models.placement_args import PlacementSettings, add_placement_args, resolve_placement_args
 from fairseq_normplug.models.output_layer_args import (
     OutputLayerSettings,
     add_output_layer_args,
@@ -15,6 +16,7 @@ from fairseq_normplug.models.output_layer_args import (
 )
 from fairseq_normplug.modules.derf import DERF_DEFAULT_ALPHA
 from fairseq_normplug.modules.norm_registry import AUTO, DYT_SQUASH_CHOICES, NORM_TYPES, NormSpec
+from fairseq_normplug.modules.norm_registry import zero_centered_gamma_error
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
 
 NORM_SHORTHANDS = ("scalenorm", "rmsnorm", "dyt")  # --scalenorm = --norm-type scalenorm, ...
@@ -26,6 +28,7 @@ DEFAULTS = {
     "rmsnorm": False,
     "dyt": False,
     "norm_eps": 1e-5,
+    "zero_centered_gamma": False,
     "scalenorm_fixed_g": False,
     "dyt_alpha_init": None,
     "dyt_attn_alpha_init": None,
@@ -67,9 +70,10 @@ def add_normplug_args(parser) -> None:
     add = group.add_argument
     add("--prenorm", action="store_true",
         help="PreNorm: norm before each sublayer plus a final norm after the encoder and decoder "
-             "stacks (same as --encoder-normalize-before --decoder-normalize-before)")
+             "stacks (= --norm-placement pre = --encoder-normalize-before --decoder-normalize-before)")
     add("--postnorm", action="store_true",
-        help="PostNorm (the default): norm after each residual addition; no final norms")
+        help="PostNorm (the default): norm after each residual addition; no final norms "
+             "(= --norm-placement post)")
     add("--norm-type", choices=NORM_TYPES,
         help="the norm used everywhere (sublayers and final norms); default layernorm; "
              "derf = gamma*erf(alpha*x+s)+beta, dyisru = gamma*sqrt(d)*x/sqrt(beta+x^2), "
@@ -79,6 +83,10 @@ def add_normplug_args(parser) -> None:
     add("--dyt", action="store_true", help="shorthand for --norm-type dyt: gamma*tanh(alpha*x)+beta")
     add("--norm-eps", type=float, metavar="EPS",
         help="ScaleNorm/RMSNorm epsilon (default 1e-5)")
+    add("--zero-centered-gamma", action="store_true",
+        help="store each norm's per-channel gain as gamma, init 0, applied as 1+gamma "
+             "(TransformerEngine zero_centered_gamma, Megatron --apply-layernorm-1p): weight decay "
+             "pulls the gain to 1; layernorm, rmsnorm, dyt, derf, dyisru")
     add("--scalenorm-fixed-g", action="store_true",
         help="freeze every ScaleNorm g at sqrt(d) except the norm feeding the output layer "
              "(paper Table 7, 'fixed g')")
@@ -115,6 +123,7 @@ def add_normplug_args(parser) -> None:
              "its input std into the training log (0 = off, the default)")
     add_output_layer_args(add)
     add_beyond_args(add)
+    add_placement_args(add)
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,7 @@ class NormplugSettings:
     norm_stats_interval: int
     beyond: BeyondSettings
     output: OutputLayerSettings
+    placement: PlacementSettings
 
 
 def _flag(name: str) -> str:
@@ -151,20 +161,6 @@ def _resolve_norm_type(args) -> str:
             f"two norm types at once: {' and '.join(f for f, _ in chosen)}; "
             f"choose one of {', '.join(NORM_TYPES)}")
     return chosen[0][1] if chosen else "layernorm"
-
-
-def _resolve_residual(args) -> bool:
-    normalize_before = [flag for flag in ("encoder_normalize_before", "decoder_normalize_before")
-                        if getattr(args, flag, False)]
-    if args.prenorm and args.postnorm:
-        raise NormplugError("--prenorm contradicts --postnorm; choose one residual placement")
-    if args.postnorm and normalize_before:
-        raise NormplugError(
-            f"--postnorm contradicts {' '.join(map(_flag, normalize_before))}; "
-            f"drop one of them (PostNorm normalises after each residual addition)")
-    if args.prenorm:
-        args.encoder_normalize_before = args.decoder_normalize_before = True
-    return len(normalize_before) == 2 or args.prenorm
 
 
 def _require(condition: bool, message: str) -> None:
@@ -216,9 +212,12 @@ def resolve_normplug_args(args) -> NormplugSettings:
     fill_normplug_defaults(args)
     norm_type = _resolve_norm_type(args)
     args.norm_type = norm_type
-    prenorm = _resolve_residual(args)
+    placement = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm
+    prenorm = placement.placement == "pre"
 
     _require(args.norm_eps > 0, f"--norm-eps must be > 0, got {args.norm_eps}")
+    _require(not args.zero_centered_gamma or not zero_centered_gamma_error(norm_type),
+             zero_centered_gamma_error(norm_type))
     _require(not args.scalenorm_fixed_g or norm_type == "scalenorm",
              f"--scalenorm-fixed-g needs --norm-type scalenorm, got --norm-type {norm_type}")
     for owner, names in NORM_TYPE_FLAGS.items():
@@ -272,7 +271,9 @@ def resolve_normplug_args(args) -> NormplugSettings:
         dyt_freeze_alpha=args.dyt_freeze_alpha or args.dyt_no_alpha,
         derf_alpha_init=DERF_DEFAULT_ALPHA if args.derf_alpha_init is None else args.derf_alpha_init,
         dyisru_beta_init=args.dyisru_beta_init,
+        zero_centered_gamma=args.zero_centered_gamma,
     )
     return NormplugSettings(prenorm=prenorm, norm=spec, fixnorm=args.fixnorm,
                             weight_init=weight_init,
-                            norm_stats_interval=args.norm_stats_interval, beyond=beyond, output=output)
+                            norm_stats_interval=args.norm_stats_interval, beyond=beyond, output=output,
+                            placement=placement)

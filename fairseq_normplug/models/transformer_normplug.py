@@ -19,6 +19,8 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.models.placements import (apply_placement_init, install_layernorm_scaling, install_normformer,
+                                                 install_placement)
 from fairseq_normplug.modules.auto_init import AutoScaleInit
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
 from fairseq_normplug.modules.embed_scale import make_embed_scale_learnable
@@ -27,6 +29,7 @@ from fairseq_normplug.modules.qknorm import install_qknorm, resolve_g0
 from fairseq_normplug.modules.residual_scale import deepnorm_constants, install_residual_scale
 from fairseq_normplug.modules.target_vocab_mask import TargetVocabMask, build_allowed_types
 from fairseq_normplug.modules.weight_init import apply_deepnorm_init, apply_model_init
+from fairseq_normplug.optim.norm_weight_decay import mark_norm_parameters
 
 #: the padding logit is set this far below the row's smallest logit: its probability is
 #: ~e^-30 of the least likely word, so pad is never predicted, while label smoothing
@@ -85,7 +88,8 @@ def add_output_bias(decoder) -> None:
 class TransformerNormplugModel(TransformerModel):
     """Transformer with pluggable residual placement, norm type, FixNorm and init.
 
-    Flags: ``--prenorm``, ``--norm-type`` (one of ``NORM_TYPES``, shorthands
+    Flags: ``--norm-placement`` (shorthands ``--prenorm``/``--postnorm``; ``--mix-ln-ratio``,
+    ``--layernorm-scaling``), ``--norm-type`` (one of ``NORM_TYPES``, shorthands
     ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
     ``--weight-init``, the authors' output layer ``--target-vocab-mask`` and ``--output-bias``,
     and the later designs ``--qknorm``, ``--residual-scale``, ``--embed-scale``
@@ -109,8 +113,12 @@ class TransformerNormplugModel(TransformerModel):
         g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         allowed = build_allowed_types(args, task) if output.target_vocab_mask else None
         model = super().build_model(args, task)
+        install_placement(model, settings.placement)  # --norm-placement; post/pre: as built
+        install_normformer(model, settings.placement)  # --normformer: NormFormer's norms and head scales
         install_norms(model, settings.norm)
+        install_layernorm_scaling(model, settings.placement.layernorm_scaling)
         apply_model_init(model, settings.weight_init)
+        apply_placement_init(model, settings.placement)  # b2t: the authors' rescaled init
         if output.output_bias:
             add_output_bias(model.decoder)
         if output.target_vocab_mask:
@@ -123,6 +131,7 @@ class TransformerNormplugModel(TransformerModel):
             install_qknorm(model, g0)
         if beyond.embed_scale == "learnable":
             make_embed_scale_learnable(model)
+        mark_norm_parameters(model, beyond.norm_weight_decay)  # no-op without --norm-weight-decay
         model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
         model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         return model

@@ -5,6 +5,8 @@ paper, with DyT's per-channel affine, as in the authors' code (zlab-princeton/De
 
 The paper text available to us gives no equation number; the defaults alpha0 = 0.5 and
 s0 = 0 are the authors' code defaults (``alpha_init_value=0.5, shift_init_value=0.0``).
+With ``zero_centered_gamma`` (``--zero-centered-gamma``) the gain applied is 1 + gamma,
+gamma init 0 (``norm_base.py``).
 """
 import torch
 from torch import nn
@@ -17,17 +19,19 @@ DERF_DEFAULT_ALPHA = 0.5
 class Derf(FormulaNorm):
     """Derf: learnable scalars ``alpha`` (init ``alpha_init``) and ``shift`` (s, init 0), a
     per-channel gain ``weight`` (gamma, init 1) and ``bias`` (beta, init 0).
-    ``init_from_input`` sets alpha0 = 1/std of the input (``--derf-alpha-init auto``)."""
+    ``init_from_input`` sets alpha0 = 1/std of the input (``--derf-alpha-init auto``).
+    ``zero_centered_gamma=True``: ``weight`` holds gamma (init 0), the gain is 1 + gamma."""
 
     auto_init_parameter = "alpha"
 
-    def __init__(self, dim: int, alpha_init: float = DERF_DEFAULT_ALPHA, shift_init: float = 0.0):
-        super().__init__(dim)
+    def __init__(self, dim: int, alpha_init: float = DERF_DEFAULT_ALPHA, shift_init: float = 0.0,
+                 zero_centered_gamma: bool = False):
+        super().__init__(dim, zero_centered_gamma)
         if not alpha_init > 0:
             raise ValueError(f"Derf alpha init must be positive, got {alpha_init}")
         self.alpha = nn.Parameter(torch.tensor(float(alpha_init)))
         self.shift = nn.Parameter(torch.tensor(float(shift_init)))
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = self.new_gain()
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def formula(self, x, alpha, shift, weight, bias):

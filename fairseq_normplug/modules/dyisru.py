@@ -13,6 +13,9 @@ Init: the paper trains no model and states no beta0 (its fit to simulated outlie
 301.1); we take beta0 = C - 1, the other channels' sum of squares for a unit-variance input,
 so DyISRU starts as RMSNorm does on such input. ``init_from_input`` (``--dyisru-beta-init
 auto``) sets beta0 = (C - 1) * mean(x^2) of the actual input.
+
+With ``zero_centered_gamma`` (``--zero-centered-gamma``) the gain applied is 1 + gamma,
+gamma init 0 (``norm_base.py``).
 """
 import math
 
@@ -29,18 +32,20 @@ def default_beta(dim: int) -> float:
 
 class DyISRU(FormulaNorm):
     """DyISRU: a learnable scalar ``beta`` (init ``beta_init``, default C - 1) and a
-    per-channel gain ``weight`` (gamma, init 1)."""
+    per-channel gain ``weight`` (gamma, init 1; or init 0 and gain 1 + gamma with
+    ``zero_centered_gamma=True``)."""
 
     auto_init_parameter = "beta"
 
-    def __init__(self, dim: int, beta_init: float = None, eps: float = 1e-5):
-        super().__init__(dim)
+    def __init__(self, dim: int, beta_init: float = None, eps: float = 1e-5,
+                 zero_centered_gamma: bool = False):
+        super().__init__(dim, zero_centered_gamma)
         beta_init = default_beta(dim) if beta_init is None else beta_init
         if not beta_init > 0:
             raise ValueError(f"DyISRU beta init must be positive, got {beta_init}")
         self.eps = eps
         self.beta = nn.Parameter(torch.tensor(float(beta_init)))
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = self.new_gain()
 
     def formula(self, x, beta, weight):
         return weight * math.sqrt(self.dim) * x * torch.rsqrt(beta.clamp(min=self.eps) + x * x)

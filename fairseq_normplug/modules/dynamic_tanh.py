@@ -1,12 +1,14 @@
 """Dynamic Tanh of Zhu et al. (2025), "Transformers without Normalization", eq. (1):
-DyT(x) = gamma * tanh(alpha * x) + beta, a drop-in replacement for a norm layer."""
+DyT(x) = gamma * tanh(alpha * x) + beta, a drop-in replacement for a norm layer.
+With ``zero_centered_gamma`` (``--zero-centered-gamma``) the gain applied is 1 + gamma,
+gamma init 0 (``norm_base.py``)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
-from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std
+from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std, zero_centered_repr
 
 #: |alpha x| above this is the flat part of tanh (tanh(2) = 0.96): the DyT paper's
 #: extreme inputs it squashes (sections 3-4)
@@ -111,6 +113,8 @@ class DynamicTanh(FormulaNorm):
     alpha tracks 1/std). Computed in float32 whatever the input dtype; alpha stays float32
     when the model is cast to fp16/bf16 (``float32_params.py``), so its gradient is summed
     and stored in float32. ``forward`` runs the fused fast path :func:`dynamic_tanh`.
+    ``zero_centered_gamma=True``: ``weight`` holds a zero-initialised gamma and the gain is
+    1 + gamma, passed to the fast path as its weight (``norm_base.py``).
     """
 
     auto_init_parameter = "alpha"
@@ -121,8 +125,9 @@ class DynamicTanh(FormulaNorm):
         alpha_init: float = 0.5,
         squash: str = "tanh",
         learnable_alpha: bool = True,
+        zero_centered_gamma: bool = False,
     ):
-        super().__init__(dim)
+        super().__init__(dim, zero_centered_gamma)
         if squash not in SQUASH_FUNCTIONS:
             raise ValueError(
                 f"unknown DyT squash function {squash!r}; choose from {sorted(SQUASH_FUNCTIONS)}"
@@ -131,11 +136,11 @@ class DynamicTanh(FormulaNorm):
             raise ValueError(f"DyT alpha init must be positive, got {alpha_init}")
         self.squash = squash
         self.alpha = nn.Parameter(torch.tensor(float(alpha_init)), requires_grad=learnable_alpha)
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = self.new_gain()
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dynamic_tanh(x, self.alpha, self.weight, self.bias, self.squash)
+        return dynamic_tanh(x, self.alpha, self.gain(), self.bias, self.squash)
 
     def formula(self, x, alpha, weight, bias):
         """:func:`dynamic_tanh_reference` (``reference(x)`` runs it in float32)."""
@@ -158,4 +163,4 @@ class DynamicTanh(FormulaNorm):
         return (
             f"{self.dim}, alpha={self.alpha.item():.3g}, squash={self.squash}, "
             f"learnable_alpha={self.alpha.requires_grad}"
-        )
+        ) + "".join(", " + item for item in zero_centered_repr(self))

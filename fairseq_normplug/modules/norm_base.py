@@ -15,6 +15,15 @@ ScaleNorm, RMSNorm and DyT override ``forward`` and ``fast_path`` with their opt
 paths (``fused.py``, ``native.py``, ``csrc/``); ``reference`` stays the plain formula, which
 their tests compare the fast paths with.
 
+Zero-centred gamma (``--zero-centered-gamma``; NVIDIA TransformerEngine's
+``zero_centered_gamma``, Megatron-LM's ``--apply-layernorm-1p``): a norm built with
+``zero_centered_gamma=True`` stores its per-channel gain ``weight`` as gamma, initialised to 0,
+and applies ``1 + gamma``, so weight decay pulls the applied gain towards 1 instead of 0.
+:meth:`FormulaNorm.new_gain` creates that parameter, :meth:`FormulaNorm.gain` and
+:func:`effective_gain` (for any norm module, also torch's LayerNorm) give the gain actually
+applied, computed in float32 for fp16/bf16 parameters; ``reference`` passes it to ``formula``
+as ``weight`` and the fast paths take it as their weight tensor, so neither changes.
+
 Element-wise norms whose input scale can be chosen from data (``--dyt-alpha-init auto``, ...)
 also name that parameter in ``auto_init_parameter`` and say how to set it from the moments of
 their input in ``init_from_input(mean, mean_square)``; see ``auto_init.py``.
@@ -34,6 +43,19 @@ def inverse_std(mean: float, mean_square: float) -> float:
     return 1.0 / max(math.sqrt(max(mean_square - mean * mean, 0.0)), 1e-6)
 
 
+def effective_gain(norm: nn.Module) -> Optional[torch.Tensor]:
+    """The per-channel gain ``norm`` applies: its ``weight``, or ``1 + weight`` (in float32
+    for fp16/bf16, float64 stays) when it stores a zero-centred gamma (``zero_centered_gamma``
+    attribute, see the module docstring); None for a norm without a per-channel ``weight``.
+    With a stock gain (flag off) this is the ``weight`` tensor itself."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    if getattr(norm, "zero_centered_gamma", False):
+        return 1 + upcast(weight)
+    return weight
+
+
 class FormulaNorm(Float32Params):
     """Base of the plugin's norms: ``formula`` is the paper's equation, the rest is generic.
     Scalar parameters stay float32 in fp16/bf16 models (``float32_params.py``)."""
@@ -41,11 +63,21 @@ class FormulaNorm(Float32Params):
     #: name of the scalar parameter ``init_from_input`` sets (None: no data-driven init)
     auto_init_parameter: Optional[str] = None
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, zero_centered_gamma: bool = False):
         super().__init__()
         self.dim = dim
         #: True when this norm's scale is to be chosen from the first training batch
         self.auto_init = False
+        #: True when ``weight`` holds gamma and the applied gain is 1 + gamma (module docstring)
+        self.zero_centered_gamma = zero_centered_gamma
+
+    def new_gain(self) -> nn.Parameter:
+        """The per-channel gain parameter (``weight``): ones, or zeros (gamma) when zero-centred."""
+        return nn.Parameter(torch.zeros(self.dim) if self.zero_centered_gamma else torch.ones(self.dim))
+
+    def gain(self) -> torch.Tensor:
+        """The per-channel gain applied: ``weight``, or ``1 + weight`` (:func:`effective_gain`)."""
+        return effective_gain(self)
 
     def formula(self, x: torch.Tensor, **parameters: torch.Tensor) -> torch.Tensor:
         """The norm's equation on ``x`` with the given parameters (by name)."""
@@ -57,6 +89,8 @@ class FormulaNorm(Float32Params):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """``formula`` with this module's parameters, computed in float32 for fp16/bf16."""
         parameters = {name: upcast(p) for name, p in self.parameters_by_name().items()}
+        if self.zero_centered_gamma:
+            parameters["weight"] = 1 + parameters["weight"]
         return self.formula(upcast(x), **parameters).to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,4 +113,10 @@ class FormulaNorm(Float32Params):
         scalars = [f"{name}={float(p):.4g}" for name, p in self.parameters_by_name().items()
                    if p.dim() == 0]
         frozen = [name for name, p in self.parameters_by_name().items() if not p.requires_grad]
-        return ", ".join([str(self.dim), *scalars] + ([f"frozen={','.join(frozen)}"] if frozen else []))
+        return ", ".join([str(self.dim), *scalars] + ([f"frozen={','.join(frozen)}"] if frozen else [])
+                         + zero_centered_repr(self))
+
+
+def zero_centered_repr(norm: nn.Module) -> list:
+    """``["zero_centered_gamma=True"]`` for a zero-centred norm, else ``[]`` (for ``extra_repr``)."""
+    return ["zero_centered_gamma=True"] if getattr(norm, "zero_centered_gamma", False) else []

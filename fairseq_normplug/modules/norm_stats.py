@@ -17,13 +17,17 @@ import torch
 from fairseq.logging import metrics
 from torch import nn
 
+from fairseq_normplug.modules.norm_base import effective_gain
+
 
 def norm_scale_stats(norm: nn.Module) -> Dict[str, float]:
     """The scalar(s) that describe a norm's learned scale: each scalar parameter (ScaleNorm g,
-    DyT/Derf alpha, Derf shift, DyISRU beta) and the mean |gain|."""
+    DyT/Derf alpha, Derf shift, DyISRU beta) and the mean |gain| of the gain applied
+    (1 + gamma with ``--zero-centered-gamma``, ``norm_base.effective_gain``)."""
     stats = {name: float(p) for name, p in norm.named_parameters(recurse=False) if p.dim() == 0}
-    if isinstance(getattr(norm, "weight", None), torch.Tensor):
-        stats["gain"] = float(norm.weight.detach().abs().mean())
+    gain = effective_gain(norm)
+    if gain is not None:
+        stats["gain"] = float(gain.detach().abs().mean())
     return stats
 
 

@@ -12,13 +12,23 @@ hook of every Transformer layer (x is the sublayer output F(.) after dropout):
   Table 1, encoder-decoder column): PostNorm(residual * alpha + F), with
   encoder alpha = 0.81 (N^4 M)^(1/16), decoder alpha = (3M)^(1/4); its beta-scaled init is
   :func:`fairseq_normplug.modules.weight_init.apply_deepnorm_init`.
+* ``admin`` (Liu et al. 2020, "Understanding the Difficulty of Training Transformers", eq. 7
+  and section 4.2; authors' code LiyuanLucasLiu/Transformer-Clinic,
+  ``fairseq/modules/transformer_layer.py``, ``--init-type adaptive-profiling``/``adaptive``):
+  PostNorm(residual * omega + F), omega a learnable per-channel vector per sublayer, set by
+  the profiling pass of :class:`AdminProfile` on the first training batch.
 """
-from typing import Dict
+import logging
+import math
+from typing import Dict, List
 
 import torch
 from torch import nn
 
-RESIDUAL_SCALES = ("none", "rezero", "layerscale", "deepnorm")
+from fairseq_normplug.modules.auto_init import input_moments
+
+RESIDUAL_SCALES = ("none", "rezero", "layerscale", "deepnorm", "admin")
+logger = logging.getLogger(__name__)
 
 
 def layerscale_init(depth: int) -> float:
@@ -42,6 +52,51 @@ def deepnorm_constants(encoder_layers: int, decoder_layers: int) -> Dict[str, fl
     }
 
 
+class AdminProfile:
+    """Admin's profiling of one stack (encoder or decoder): before the first training
+    forward of a freshly built model, one extra forward of that batch without gradients
+    (training mode, like the authors' separate ``adaptive-profiling`` run). Sublayer by
+    sublayer in forward order: omega_i is set to the running ratio
+    r (r = 1 before the first sublayer), the sublayer's output is computed with it, and then
+    ``r = sqrt(Var[x_{i-1} * omega_i] + Var[F_i(x_{i-1})])``, so that
+    omega_i^2 = 1 + sum_{j<i} Var[F_j] when the norms give unit variance (the paper's
+    omega_i = sqrt(sum_{j<i} Var[F_j]), with the embedding counted as the first term).
+
+    As in the authors' code, each variance is over every element of the batch, padding
+    included, and F_i is the sublayer output after dropout. Here the moments are summed over
+    all data-parallel ranks (``input_moments``), so every rank sets the same omegas; the
+    authors profile on one GPU. Loading a state dict (resume, fairseq-generate) cancels it."""
+
+    def __init__(self, stack: str):
+        self.stack = stack
+        self.ratio = 1.0
+        self.pending: List["ResidualScale"] = []
+        self.chosen: List[float] = []
+        self.ranks = 1
+        #: True during the profiling forward
+        self.active = False
+
+    @property
+    def waiting(self) -> bool:
+        """True until the stack is profiled (or its omegas are loaded)."""
+        return any(scale.profile is self for scale in self.pending)
+
+    def profile(self, scale: "ResidualScale", index: int, x: torch.Tensor, residual: torch.Tensor) -> None:
+        with torch.no_grad():
+            scale.gains[index].fill_(self.ratio)
+            self.chosen.append(self.ratio)
+            mean_in, square_in, _ = input_moments(residual * scale.gains[index])
+            mean_out, square_out, self.ranks = input_moments(x)
+            self.ratio = math.sqrt(max(square_in - mean_in ** 2, 0.0) + max(square_out - mean_out ** 2, 0.0))
+        if index == scale.num_sublayers - 1:
+            scale.profile = None
+            self.pending.remove(scale)
+            if not self.pending:
+                logger.info("Admin: omega of the %s's %d residuals from the first training batch "
+                            "(%d data-parallel rank%s): %s", self.stack, len(self.chosen), self.ranks,
+                            "" if self.ranks == 1 else "s", " ".join(f"{v:.4g}" for v in self.chosen))
+
+
 class ResidualScale(nn.Module):
     """``forward(x, residual)`` of one Transformer layer with ``num_sublayers`` residual
     connections, called once per sublayer in order (self-attention, [cross-attention], FFN)."""
@@ -59,6 +114,10 @@ class ResidualScale(nn.Module):
             self.gains = nn.Parameter(torch.zeros(num_sublayers))
         elif kind == "layerscale":
             self.gains = nn.Parameter(torch.full((num_sublayers, dim), float(layerscale_eps)))
+        elif kind == "admin":  # omega, set by the profiling pass
+            self.gains = nn.Parameter(torch.ones(num_sublayers, dim))
+        #: the stack's Admin profiling, until this module's sublayers are profiled
+        self.profile = None
         self.calls = 0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -67,7 +126,15 @@ class ResidualScale(nn.Module):
         # modulo: layers wrapped by --checkpoint-activations re-run forward in backward
         index = self.calls % self.num_sublayers
         self.calls += 1
-        return residual + self.gains[index] * x
+        if self.kind != "admin":
+            return residual + self.gains[index] * x
+        if self.profile is not None and self.profile.active:
+            self.profile.profile(self, index, x, residual)
+        return residual * self.gains[index] + x
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.profile = None  # loaded omegas are already profiled
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
         detail = f"alpha={self.alpha:.4f}" if self.kind == "deepnorm" else f"sublayers={self.num_sublayers}"
@@ -101,10 +168,43 @@ def install_residual_scale(model, kind: str) -> None:
         return
     n, m = len(model.encoder.layers), len(model.decoder.layers)
     constants = deepnorm_constants(n, m)
-    for stack, alpha, depth in ((model.encoder, constants["encoder_alpha"], n),
-                                (model.decoder, constants["decoder_alpha"], m)):
+    profiles = []
+    for name, stack, alpha, depth in (("encoder", model.encoder, constants["encoder_alpha"], n),
+                                      ("decoder", model.decoder, constants["decoder_alpha"], m)):
+        profile = AdminProfile(name) if kind == "admin" else None
         for layer in stack.layers:
             sublayers = 2 + (getattr(layer, "encoder_attn", None) is not None)
             layer.residual_scale = ResidualScale(kind, sublayers, layer.embed_dim, alpha=alpha,
                                                  layerscale_eps=layerscale_init(depth))
+            if profile is not None:
+                layer.residual_scale.profile = profile
+                profile.pending.append(layer.residual_scale)
             layer.__class__ = _scaled_class(type(layer))
+        if profile is not None:
+            profiles.append(profile)
+    if profiles:
+        profile_before_first_training_forward(model, profiles)
+
+
+def profile_before_first_training_forward(model: nn.Module, profiles: List[AdminProfile]) -> None:
+    """Run Admin's profiling (:class:`AdminProfile`) as a forward of the first training batch
+    without gradients, just before the model's first training forward (a pre-hook, removed
+    after it ran; nothing happens when the omegas were loaded from a state dict)."""
+
+    def profile(module, args, kwargs):
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        handle.remove()
+        waiting = [p for p in profiles if p.waiting]
+        if not waiting:
+            return
+        for p in waiting:
+            p.active = True
+        try:
+            with torch.no_grad():
+                module(*args, **kwargs)
+        finally:
+            for p in waiting:
+                p.active = False
+
+    handle = model.register_forward_pre_hook(profile, with_kwargs=True)

@@ -1,11 +1,12 @@
 """RMSNorm of Zhang & Sennrich (2019), compared with ScaleNorm in Table 7 of
-"Transformers without Tears": x / rms(x) * g_i, a gain per unit and no bias."""
+"Transformers without Tears": x / rms(x) * g_i, a gain per unit and no bias.
+With ``zero_centered_gamma`` (``--zero-centered-gamma``) g_i = 1 + gamma_i, gamma init 0
+(``norm_base.py``)."""
 import torch
-from torch import nn
 
 from fairseq_normplug.modules import fused
 from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
-from fairseq_normplug.modules.norm_base import FormulaNorm
+from fairseq_normplug.modules.norm_base import FormulaNorm, zero_centered_repr
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,16 +72,17 @@ class RMSNorm(FormulaNorm):
     """RMSNorm(x)_i = g_i * x_i / sqrt(mean_j x_j^2 + eps); g initialised to ones.
 
     Statistics are computed in float32 whatever the input dtype. ``forward`` runs the fused
-    fast path :func:`rms_norm`.
+    fast path :func:`rms_norm`. ``zero_centered_gamma=True``: ``weight`` holds gamma (init 0)
+    and g = 1 + gamma, passed to the fast path as its weight (``norm_base.py``).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__(dim)
+    def __init__(self, dim: int, eps: float = 1e-5, zero_centered_gamma: bool = False):
+        super().__init__(dim, zero_centered_gamma)
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = self.new_gain()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.gain(), self.eps)
 
     def formula(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """:func:`rms_norm_reference` (``reference(x)`` runs it in float32)."""
@@ -91,4 +93,4 @@ class RMSNorm(FormulaNorm):
         return fused.path(rms_norm_forward_kernel, x, self.weight)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, eps={self.eps}"
+        return ", ".join([f"{self.dim}, eps={self.eps}", *zero_centered_repr(self)])

@@ -77,6 +77,14 @@ class ScaleNorm(FormulaNorm):
     stays float32 when the model is cast to fp16/bf16 (``float32_params.py``), so its
     gradient is summed and stored in float32. ``forward`` runs the fused fast path
     :func:`scale_norm`. ``learnable=False`` freezes g (the paper's fixed-g rows of Table 7).
+
+    No zero-centred variant (``--zero-centered-gamma --scalenorm`` is refused): zero-centred
+    gamma (TransformerEngine, Megatron's LayerNorm1p) re-parametrises a per-channel *unit* gain
+    (init 1) as 1 + gamma so that weight decay pulls it to 1 and its bf16/fp16 storage is fine
+    near 1. g is neither: one scalar scale initialised to sqrt(d), kept in float32. ``1 + gamma``
+    would start at 1 instead of sqrt(d) (a different model), and ``sqrt(d) (1 + gamma)`` is a
+    reparametrisation no source defines that multiplies g's gradient by sqrt(d), changing
+    how Adam moves it.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, learnable: bool = True):

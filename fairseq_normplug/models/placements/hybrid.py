@@ -1,0 +1,81 @@
+"""HybridNorm (Zhuo, Zeng, Wang et al. 2025, "HybridNorm: Towards Stable and Efficient
+Transformer Training via Hybrid Normalization", section 3; code: BryceZhuo/HybridNorm,
+``dense_model/olmo/model.py`` with ``configs/exps/1.2B-dense-HybriedNorm.yaml``): QKV
+normalisation inside every attention, and a norm before the FFN whose output also carries
+the residual,
+
+    attn_QKV(x) = softmax(N_q(x W_q) N_k(x W_k)^T / sqrt(d_k)) N_v(x W_v) W_o
+    y = x + Dropout(attn_QKV(x))                  (self-attention; decoder: also cross-attention)
+    z = LN(y);  out = z + Dropout(FFN(z))         (fairseq's ``final_layer_norm``)
+
+plus a final norm after each stack (the authors' model ends with ``ln_f``; PreNorm's
+``layer_norm`` here). As in the authors' config (``use_query_norm``/``use_key_norm``/
+``use_value_norm``, ``attn_norm: false``, ``ffn_norm: true``, ``ffn_residual_after_norm:
+true``): N_q, N_k, N_v are norms of the chosen ``--norm-type`` over each head's d_k channels,
+one per projection shared by its heads, applied after the projection and its bias, as
+``q_proj.norm`` / ``k_proj.norm`` / ``v_proj.norm`` of every ``MultiheadAttention`` (for
+cross-attention, keys and values are the projected encoder states). The attention blocks
+have no other norm (fairseq's ``self_attn_layer_norm`` / ``encoder_attn_layer_norm`` are
+removed). Keys and values are normalised inside their projections, so the
+incremental-decoding cache holds normalised keys and values. The authors' HybridNorm*
+(a different first layer) is not built.
+"""
+import torch.nn.functional as F
+from torch import nn
+
+from fairseq_normplug.modules.norm_registry import ATTENTION, FINAL
+
+from fairseq_normplug.models.placements.base import (PlacementDecoderLayer, PlacementEncoderLayer,
+                                                    new_norm, set_final_norm, stacks, swap_layer_class)
+
+
+class NormedProjection(nn.Linear):
+    """A q/k/v projection followed by a norm over each head's part of its output:
+    norm(x W^T + b) per head. Same weight and bias (names and values) as the projection it
+    replaces, plus ``norm`` (d_k wide)."""
+
+    def __init__(self, linear: nn.Linear, num_heads: int):
+        # built on the meta device (no random init drawn), then given the projection's own tensors
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias
+        self.num_heads = num_heads
+        self.norm = new_norm(linear.out_features // num_heads, ATTENTION)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return self.norm(y.view(*y.shape[:-1], self.num_heads, -1)).view(y.shape)
+
+
+class HybridLayer:
+    def sublayers(self, x, sublayers):
+        for kind, sublayer in sublayers:
+            if kind == "ffn":
+                x = self.final_layer_norm(x)
+            x = self.residual_connection(self.dropout_module(sublayer(x)), x)
+        return x
+
+
+class HybridEncoderLayer(HybridLayer, PlacementEncoderLayer):
+    pass
+
+
+class HybridDecoderLayer(HybridLayer, PlacementDecoderLayer):
+    pass
+
+
+def install(model, settings) -> None:
+    for stack in stacks(model):
+        for layer in stack.layers:
+            for attn_name, norm_name in (("self_attn", "self_attn_layer_norm"),
+                                         ("encoder_attn", "encoder_attn_layer_norm")):
+                attn = getattr(layer, attn_name, None)
+                if attn is None:
+                    continue
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    setattr(attn, proj, NormedProjection(getattr(attn, proj), attn.num_heads))
+                # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read the
+                # projection weights directly; this switch makes every call use the modules
+                attn._set_skip_embed_dim_check()
+                setattr(layer, norm_name, None)
+            swap_layer_class(layer, HybridEncoderLayer, HybridDecoderLayer)
+        set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL))
