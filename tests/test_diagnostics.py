@@ -3,6 +3,7 @@ the converted checkpoint loads (fairseq-generate too) and holds only calibrated 
 calibrated alpha fits the real activations better than alpha = 0.5, the figures plot what the
 CSV files say, and bad input fails in one line."""
 import csv
+import json
 import math
 import os
 import re
@@ -16,7 +17,7 @@ from fairseq.modules import MultiheadAttention
 from conftest import REPO, cli, run_cli
 from fairseq_normplug.diagnostics import convert, fitting, plot_norms
 from fairseq_normplug.diagnostics.attention import attention_logits, query_statistics
-from fairseq_normplug.diagnostics.loading import batches, collect_norm_activations, load_checkpoint
+from fairseq_normplug.diagnostics.loading import batches, collect_norm_activations, dev_loss, load_checkpoint
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.modules.derf import Derf
@@ -101,7 +102,9 @@ def test_calibrated_alpha_fits_better_than_the_default(trained, tiny_bin, conver
 
 def test_conversion_to_derf(trained, tiny_bin, tmp_path):
     out = str(tmp_path / "derf.pt")
-    report = convert.convert(trained, tiny_bin, out, "derf", generation={"beam": 1}, echo=lambda message: None)
+    # 4,000 calibration tokens (the default 20,000 with Derf's shift search costs ~20 s more here)
+    report = convert.convert(trained, tiny_bin, out, "derf", generation={"beam": 1}, echo=lambda message: None,
+                             calibration_tokens=4000)
     assert report["calibration_beats_naive"] and [s["stage"] for s in report["stages"]][1:] == [
         "naive swap (derf, alpha = 0.5)", "calibrated derf (no training)"]
     norms = named_norms(load_checkpoint(out, tiny_bin).model)
@@ -296,3 +299,144 @@ def test_bad_input_one_line_each(trained, converted, tiny_bin, tmp_path):
 def test_load_checkpoint_rejects_a_missing_subset(trained, tiny_bin, tmp_path):
     with pytest.raises(NormplugError, match="has no 'nothing' subset"):
         plot_norms.plot_norms(trained, tiny_bin, str(tmp_path), subset="nothing")
+
+
+# ---- joint gamma/beta fit, layer-by-layer calibration ---------------------------------------------
+
+def test_closed_form_affine_equals_least_squares_per_channel():
+    torch.manual_seed(0)
+    t = torch.tanh(torch.randn(300, 6) * 2)
+    y = 1.7 * t - 0.3 + 0.2 * torch.randn(300, 6)
+    t[:, 5] = 0.25  # a degenerate channel: its regressor has no variance
+    gamma, beta = fitting.closed_form_affine(t, y, fallback_gamma=torch.full((6,), 0.9))
+    assert torch.isfinite(gamma).all() and torch.isfinite(beta).all()
+    for c in range(5):
+        design = torch.stack([t[:, c], torch.ones(300)], 1).double()
+        solution = torch.linalg.lstsq(design, y[:, c:c + 1].double()).solution.flatten()
+        assert float(gamma[c]) == pytest.approx(float(solution[0]), abs=1e-5)
+        assert float(beta[c]) == pytest.approx(float(solution[1]), abs=1e-5)
+    # the degenerate channel keeps the fallback gamma and gets the best beta for it: mean(y)
+    assert float(gamma[5]) == pytest.approx(0.9) and float(beta[5]) == pytest.approx(float(y[:, 5].mean() - 0.225), abs=1e-5)
+    residual = ((gamma * t + beta - y) ** 2).mean()
+    assert fitting.profiled_error(t, y) == pytest.approx(float(residual), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["dyt", "derf"])
+def test_joint_fit_recovers_known_parameters(kind):
+    torch.manual_seed(1)
+    x = torch.randn(4000, 16) * 3 + 0.5
+    gamma, beta = torch.rand(16) + 0.5, torch.randn(16) * 0.3
+    if kind == "dyt":
+        true = DynamicTanh(16, alpha_init=0.37)
+    else:
+        true = Derf(16, alpha_init=0.37, shift_init=0.2)
+    with torch.no_grad():
+        true.weight.copy_(gamma)
+        true.bias.copy_(beta)
+        y = true(x)
+    layer_norm = torch.nn.LayerNorm(16)  # its own gamma=1, beta=0: not the answer
+    module, info = fitting.target(kind).fit(layer_norm, x, y)
+    assert info["affine"] == "joint" and info["mse"] < 1e-8
+    assert float(module.alpha) == pytest.approx(0.37, rel=1e-3)
+    assert torch.allclose(module.weight, gamma, atol=1e-3) and torch.allclose(module.bias, beta, atol=1e-3)
+    if kind == "derf":
+        assert float(module.shift) == pytest.approx(0.2, abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def calibration_samples(trained, tiny_bin):
+    loaded = load_checkpoint(trained, tiny_bin)
+    return loaded, list(batches(loaded.task, "train", convert.CALIBRATION_BATCH_TOKENS, limit_tokens=6000))
+
+
+def test_joint_fit_error_not_above_the_earlier_fits(calibration_samples):
+    loaded, samples = calibration_samples
+    for name, (layer_norm, x, y) in collect_norm_activations(loaded, samples[:1]).items():
+        x, y = x[:1500], y[:1500]
+        joint, joint_info = fitting.fit_dyt(layer_norm, x, y)
+        _, gamma_info = fitting.fit_dyt(layer_norm, x, y, affine="gamma")
+        _, keep_info = fitting.fit_dyt(layer_norm, x, y, affine="keep")
+        assert joint_info["mse"] <= gamma_info["mse"] * (1 + 1e-4) + 1e-9, name
+        assert gamma_info["mse"] <= keep_info["mse"] * (1 + 1e-4) + 1e-9, name
+        with torch.no_grad():
+            assert joint_info["mse"] == pytest.approx(fitting.mean_squared_error(joint(x), y), rel=1e-4)
+        _, derf_joint = fitting.fit_derf(layer_norm, x, y)
+        _, derf_gamma = fitting.fit_derf(layer_norm, x, y, affine="gamma")
+        assert derf_joint["mse"] <= derf_gamma["mse"] * (1 + 1e-4) + 1e-9, name
+
+
+def test_layerwise_calibration_fits_each_norm_on_the_converted_models_inputs(calibration_samples):
+    loaded, samples = calibration_samples
+    inputs = {}
+    model, fits = convert.calibrate(loaded, samples, fitting.target("dyt"), "layerwise", "joint", inputs=inputs)
+    assert list(fits) == SITES and list(inputs) == SITES
+    assert all(type(norm) is DynamicTanh for norm in named_norms(model).values())
+    assert all(fitting.is_layer_norm(norm) for norm in named_norms(loaded.model).values())  # left unchanged
+    seen = {name: [] for name in SITES}
+    handles = [norm.register_forward_hook(lambda m, i, o, name=name: seen[name].append(i[0].detach()))
+               for name, norm in named_norms(model).items()]
+    pad = loaded.task.source_dictionary.pad()
+    with torch.no_grad():
+        for sample in samples:
+            model(**sample["net_input"])
+    for handle in handles:
+        handle.remove()
+    for name, (_, x_original, _) in collect_norm_activations(loaded, samples).items():
+        masks = [{"enc": s["net_input"]["src_tokens"].ne(pad).t(), "dec": s["net_input"]["prev_output_tokens"].ne(pad).t()}
+                 for s in samples]
+        rows = torch.cat([x.float()[m[name[:3]]] for x, m in zip(seen[name], masks)])
+        # the input norm k was fitted on is its input in the converted model (norms < k converted)
+        assert torch.allclose(inputs[name], rows, atol=1e-5), name
+        if name in ("enc0.attn", "dec0.attn"):  # no converted norm before them on their path
+            assert torch.allclose(inputs[name], x_original, atol=1e-6), name
+        else:  # ... the others' inputs differ from the original model's
+            assert not torch.allclose(inputs[name], x_original, atol=1e-4), name
+
+
+def test_layerwise_joint_calibration_is_no_worse_than_the_earlier_method(calibration_samples, tiny_bin):
+    """Dev loss of the new default (layerwise, joint gamma/beta, the larger sample) against the
+    earlier method (per-norm, gamma refitted, 2000 tokens in 1000-token batches)."""
+    loaded, samples = calibration_samples
+    task = loaded.task
+    criterion = task.build_criterion(loaded.cfg.criterion)
+    target = fitting.target("dyt")
+    earlier_samples = list(batches(task, "train", 1000, limit_tokens=2000))
+    earlier, _ = convert.calibrate(loaded, earlier_samples, target, "per-norm", "gamma")
+    new, _ = convert.calibrate(loaded, samples, target)
+    earlier_loss = dev_loss(earlier, task, criterion)["loss"]
+    new_loss = dev_loss(new, task, criterion)["loss"]
+    assert new_loss <= earlier_loss, (new_loss, earlier_loss)
+
+
+def test_calibration_that_does_not_beat_the_naive_swap_exits_3(trained, tiny_bin, tmp_path, monkeypatch):
+    def naive_fit(layer_norm, x, y, affine="joint"):
+        module = fitting.naive_dyt(layer_norm)
+        return module, {"alpha": 0.5, "mse": 1.0, "naive_mse": 1.0, "in_std": 1.0, "out_var": 1.0,
+                        "gamma_refitted": False}
+
+    monkeypatch.setitem(fitting.TARGETS, "dyt", fitting.Target("dyt", fitting.naive_dyt, naive_fit))
+    monkeypatch.setattr(convert, "evaluate_model", lambda model, *a, **k: {
+        **dev_loss(model, a[0], a[1]), "bleu": 0.0})
+    out = str(tmp_path / "naive.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main([trained, tiny_bin, out, "--calibration-tokens", "500"])
+    assert exit_info.value.code == convert.NOT_BETTER_EXIT_CODE
+    report = json.load(open(convert.report_paths(out)[0]))
+    assert [s["stage"] for s in report["stages"]] == ["before conversion (LayerNorm)", "naive swap (dyt, alpha = 0.5)",
+                                                     "calibrated dyt (no training)"]
+    assert not report["calibration_beats_naive"] and report["calibration"] == "layerwise"
+
+
+def test_bad_calibration_choices_one_line(trained, tiny_bin, tmp_path):
+    out = str(tmp_path / "out.pt")
+    for argv, message in (([trained, tiny_bin, out, "--calibration", "greedy"],
+                           "unknown --calibration 'greedy'; choose from layerwise, per-norm"),
+                          ([trained, tiny_bin, out, "--affine", "both"],
+                           "unknown --affine 'both'; choose from joint, gamma, keep"),
+                          ([trained, tiny_bin, out, "--affine", "joint", "--keep-gamma"],
+                           "--keep-gamma contradicts --affine joint")):
+        with pytest.raises(SystemExit) as exit_info:
+            convert.main(argv)
+        text = str(exit_info.value)
+        assert text.startswith("convert_norms.sh: error: ") and message in text and "\n" not in text, text
+    assert not os.path.exists(out)

@@ -2,12 +2,27 @@
 (``transformer_normplug`` or stock ``transformer``) converted to a norm-free one, with
 calibrated parameters, and what the conversion costs.
 
-Every LayerNorm is replaced by the target type (``--to``, :data:`fitting.TARGETS`): gamma
-and beta copied, alpha fitted per norm by least squares on the real activations of a
-calibration batch of DATA's training set (``fitting.fit_dyt``; Derf's shift too,
-``fitting.fit_derf``; gamma refitted per channel unless ``--keep-gamma``). OUT is an ordinary checkpoint (``--arch transformer_normplug
---norm-type dyt`` in its stored configuration, no LayerNorm left) that fairseq-generate,
-fairseq-train ``--restore-file`` and the hub interface load.
+Every LayerNorm is replaced by the target type (``--to``, :data:`fitting.TARGETS`), its
+parameters fitted by least squares on real activations of a calibration sample of DATA's
+training set (``--calibration-tokens``, default 20000 source tokens, in batches of
+:data:`CALIBRATION_BATCH_TOKENS`; at most :data:`MAX_FIT_ROWS` rows per norm, a fixed-seed
+subsample beyond that). Per norm, alpha (Derf: and its shift) is searched and the per-channel
+gamma and beta are fitted jointly with it in closed form (``fitting.fit_dyt``,
+``fitting.fit_derf``; ``--affine``: ``joint`` (default), ``gamma`` (the earlier method: beta
+copied, gamma alone refitted) or ``keep`` (``--keep-gamma``: gamma and beta copied, alpha alone)).
+
+``--calibration layerwise`` (the default) fits the norms one at a time in forward order, each
+on the inputs it receives in the partially converted model, whose earlier norms are already
+replaced by their fits (norm k sees the outputs of converted norms < k); the target is what
+the ORIGINAL LayerNorm (its own gamma and beta) gives on that same input, so each fit is a
+local function match and later norms absorb the drift of earlier ones' inputs. One
+teacher-forced forward pass over the calibration sample per norm, stopped as soon as that
+norm has run (:func:`calibrate`). ``--calibration per-norm`` fits every norm on the original
+model's activations instead (the earlier method; one forward pass).
+
+OUT is an ordinary checkpoint (``--arch transformer_normplug --norm-type dyt`` in its stored
+configuration, no LayerNorm left) that fairseq-generate, fairseq-train ``--restore-file`` and
+the hub interface load.
 
 Dev loss (fairseq's valid_loss: the criterion's, base 2) and tokenized dev BLEU are reported
 before conversion, after the naive swap (alpha = 0.5, gamma and beta copied: what swapping
@@ -32,14 +47,20 @@ from fairseq_normplug.cli import user_dir
 from fairseq_normplug.diagnostics import fitting
 from fairseq_normplug.diagnostics.loading import (
     DEFAULT_GENERATION, LoadedCheckpoint, batches, checkpoint_parser, collect_norm_activations,
-    evaluate_model, load_checkpoint, resolve_data,
+    evaluate_model, load_checkpoint, padding_masks, real_rows, resolve_data,
 )
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.tables import atomic_output, write_text_atomic
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
 
 #: calibration batches hold at most this many source tokens each
-CALIBRATION_BATCH_TOKENS = 1000
+CALIBRATION_BATCH_TOKENS = 4000
+#: default size of the calibration sample, in source tokens of the training set
+DEFAULT_CALIBRATION_TOKENS = 20000
+#: at most this many (token) rows per norm enter its fit; more are subsampled (fixed seed)
+MAX_FIT_ROWS = 50000
+#: how the norms are calibrated (module docstring)
+CALIBRATIONS = ("layerwise", "per-norm")
 NOT_BETTER_EXIT_CODE = 3
 
 
@@ -63,6 +84,97 @@ def replace_norms(model, make) -> Dict[str, object]:
     for owner, attr, _, name in list(norm_slots(converted)):
         setattr(owner, attr, make(name, getattr(owner, attr)))
     return converted
+
+
+def subsample_rows(x: torch.Tensor, y: torch.Tensor, limit: int = MAX_FIT_ROWS, seed: int = 1):
+    """At most ``limit`` rows of the paired (rows, C) ``x`` and ``y``: all of them, or a
+    fixed-seed random subset (the same rows of both), in their original order."""
+    if x.shape[0] <= limit:
+        return x, y
+    keep = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:limit].sort().values
+    return x[keep], y[keep]
+
+
+class _StopForward(Exception):
+    """Raised by a calibration hook once its norm has run: the rest of the pass is not needed."""
+
+
+def forward_order(model, samples: List[dict]) -> List[str]:
+    """The norm sites in the order the model runs them (a forward pass on the first sample),
+    then any site that pass did not reach, in :func:`named_norms` order."""
+    norms = named_norms(model)
+    order: List[str] = []
+    handles = [norm.register_forward_hook(
+        lambda module, inputs, output, name=name: order.append(name) if name not in order else None)
+        for name, norm in norms.items()]
+    try:
+        with torch.no_grad():
+            model(**samples[0]["net_input"])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return order + [name for name in norms if name not in order]
+
+
+def site_activations(model, task, samples: List[dict], site: str):
+    """(inputs, outputs) of the norm at ``site`` of ``model`` on ``samples``: (rows, C) float32
+    matrices of the real (non-padding) positions; each forward pass stops right after that
+    norm has run."""
+    norm = named_norms(model)[site]
+    xs, ys, current = [], [], {}
+
+    def record(module, inputs, output):
+        mask = current["masks"][site[:3]]
+        xs.append(real_rows(inputs[0], mask))
+        ys.append(real_rows(output, mask))
+        raise _StopForward
+
+    handle = norm.register_forward_hook(record)
+    try:
+        with torch.no_grad():
+            for sample in samples:
+                current["masks"] = padding_masks(task, sample)
+                try:
+                    model(**sample["net_input"])
+                except _StopForward:
+                    pass
+    finally:
+        handle.remove()
+    if not xs:
+        raise NormplugError(f"the norm at {site} did not run on the calibration batches")
+    return torch.cat(xs), torch.cat(ys)
+
+
+def calibrate(loaded: LoadedCheckpoint, samples: List[dict], target, calibration: str = "layerwise",
+              affine: str = "joint", inputs: Optional[Dict[str, torch.Tensor]] = None):
+    """(calibrated model, {site: fit info}): ``loaded.model`` (left unchanged) with every
+    LayerNorm replaced by ``target``'s fit (``affine`` as in ``fitting.fit_squash``).
+    ``calibration="layerwise"``: in forward order, norm k is fitted on its inputs in the model
+    whose norms < k are already converted, against the original LayerNorm's output on those
+    inputs; ``"per-norm"``: every norm on the original model's activations. ``inputs``, a
+    dict, receives each site's fitted input rows (for tests)."""
+    if calibration not in CALIBRATIONS:
+        raise NormplugError(f"unknown --calibration {calibration!r}; choose from {', '.join(CALIBRATIONS)}")
+    fits = {}
+    if calibration == "per-norm":
+        fitted = {}
+        for name, (norm, x, y) in collect_norm_activations(loaded, samples).items():
+            x, y = subsample_rows(x, y)
+            fitted[name], fits[name] = target.fit(norm, x, y, affine=affine)
+            if inputs is not None:
+                inputs[name] = x
+        return replace_norms(loaded.model, lambda name, norm: fitted[name]), fits
+    model = copy.deepcopy(loaded.model).eval()
+    slots = {name: (owner, attr) for owner, attr, _, name in norm_slots(model)}
+    for name in forward_order(model, samples):
+        owner, attr = slots[name]
+        norm = getattr(owner, attr)  # still the original LayerNorm: y is LN(x) with its gamma, beta
+        x, y = subsample_rows(*site_activations(model, loaded.task, samples, name))
+        module, fits[name] = target.fit(norm, x, y, affine=affine)
+        setattr(owner, attr, module)
+        if inputs is not None:
+            inputs[name] = x
+    return model, {name: fits[name] for name in named_norms(model)}
 
 
 def converted_state(loaded: LoadedCheckpoint, model, norm_type: str) -> dict:
@@ -115,10 +227,17 @@ def _num(value, digits=3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _affine_label(fit: dict) -> str:
+    if fit.get("beta_refitted"):
+        return "joint fit"
+    return "gamma refitted" if fit["gamma_refitted"] else "copied"
+
+
 def render_markdown(report: dict) -> str:
     """The report's tables: dev numbers per stage, then the fit of every norm site."""
     lines = [f"# Conversion of {report['checkpoint']} to {report['to']}", "",
-             f"Dev set of {report['data']}; calibration on {report['calibration_tokens']} training "
+             f"Dev set of {report['data']}; calibration ({report.get('calibration', 'per-norm')}, "
+             f"gamma/beta {report.get('affine', 'gamma')}) on {report['calibration_tokens']} training "
              f"tokens; dev BLEU tokenized, beam {report['generation']['beam']}.", "",
              "| stage | dev loss | dev nll loss | dev BLEU |", "| --- | ---: | ---: | ---: |"]
     for stage in report["stages"]:
@@ -126,11 +245,11 @@ def render_markdown(report: dict) -> str:
                      f"{_num(stage.get('bleu'), 2)} |")
     verdict = "beats" if report["calibration_beats_naive"] else "does NOT beat"
     lines += ["", f"Calibration {verdict} the naive swap on dev loss.", "",
-              "| norm | input std | 1/std | fitted alpha | gamma refitted | MSE naive | MSE calibrated | "
+              "| norm | input std | 1/std | fitted alpha | gamma/beta | MSE naive | MSE calibrated | "
               "MSE / Var(LN output) |", "| --- | ---: | ---: | ---: | :---: | ---: | ---: | ---: |"]
     for name, fit in report["fits"].items():
         lines.append(f"| {name} | {fit['in_std']:.3g} | {1 / fit['in_std']:.3g} | {fit['alpha']:.3g} | "
-                     f"{'yes' if fit['gamma_refitted'] else 'no'} | {fit['naive_mse']:.3g} | "
+                     f"{_affine_label(fit)} | {fit['naive_mse']:.3g} | "
                      f"{fit['mse']:.3g} | {fit['mse'] / max(fit['out_var'], 1e-12):.3g} |")
     return "\n".join(lines) + "\n"
 
@@ -141,10 +260,15 @@ def report_paths(out: str):
 
 
 def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_updates: int = 0,
-            finetune_lr: float = 1e-4, calibration_tokens: int = 2000, refit_gamma: bool = True,
-            generation: Optional[dict] = None, echo=print) -> dict:
-    """Convert, evaluate and report (the module docstring); returns the report."""
+            finetune_lr: float = 1e-4, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+            refit_gamma: bool = True, generation: Optional[dict] = None, echo=print,
+            calibration: str = "layerwise", affine: Optional[str] = None) -> dict:
+    """Convert, evaluate and report (the module docstring); returns the report. ``affine``
+    (``fitting.AFFINE_FITS``) defaults to ``"joint"``, or ``"keep"`` without ``refit_gamma``."""
     target = fitting.target(to)
+    affine = fitting.affine_choice(affine, refit_gamma)
+    if calibration not in CALIBRATIONS:
+        raise NormplugError(f"unknown --calibration {calibration!r}; choose from {', '.join(CALIBRATIONS)}")
     if finetune_updates < 0 or calibration_tokens <= 0:
         raise NormplugError(f"--finetune-updates must be >= 0 and --calibration-tokens > 0, got "
                             f"{finetune_updates} and {calibration_tokens}")
@@ -165,18 +289,15 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
 
     stages = [evaluate(loaded.model, "before conversion (LayerNorm)")]
     samples = list(batches(task, "train", CALIBRATION_BATCH_TOKENS, limit_tokens=calibration_tokens))
-    activations = collect_norm_activations(loaded, samples)
-    echo(f"[convert] calibrating {len(sites)} norms on {activations[sites[0]][1].shape[0]} "
-         f"encoder-side tokens of the training set")
-    fits, fitted = {}, {}
-    for name in sites:
-        norm, x, y = activations[name]
-        fitted[name], fits[name] = target.fit(norm, x, y, refit_gamma=refit_gamma)
+    source_tokens = sum(int(sample["net_input"]["src_tokens"].ne(task.source_dictionary.pad()).sum())
+                        for sample in samples)
+    echo(f"[convert] calibrating {len(sites)} norms ({calibration}, affine {affine}) on "
+         f"{source_tokens} source tokens of the training set")
+    calibrated, fits = calibrate(loaded, samples, target, calibration, affine)
     naive = replace_norms(loaded.model, lambda name, norm: target.naive(norm))
     naive_alpha = float(named_norms(naive)[sites[0]].alpha)
     stages.append(evaluate(naive, f"naive swap ({to}, alpha = {naive_alpha:g})"))
 
-    calibrated = replace_norms(loaded.model, lambda name, norm: fitted[name])
     save_checkpoint(converted_state(loaded, calibrated, target.norm_type), out)
     reloaded = load_checkpoint(out, data_dir)  # what fairseq-generate will load
     left = sorted({type(norm).__name__ for norm in named_norms(reloaded.model).values()
@@ -195,7 +316,8 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
     naive_loss, calibrated_loss = stages[1]["loss"], stages[2]["loss"]
     report = {
         "checkpoint": checkpoint, "data": data_dir, "to": to, "out": out, "finetuned": finetuned,
-        "calibration_tokens": calibration_tokens, "refit_gamma": refit_gamma, "generation": generation,
+        "calibration_tokens": calibration_tokens, "calibration_source_tokens": source_tokens,
+        "calibration": calibration, "affine": affine, "refit_gamma": affine != "keep", "generation": generation,
         "finetune": {"updates": finetune_updates, "lr": finetune_lr},
         "stages": stages, "calibration_beats_naive": calibrated_loss < naive_loss, "fits": fits,
         "minutes": round((time.time() - started) / 60, 2),
@@ -216,18 +338,28 @@ def main(argv=None) -> dict:
     parser.add_argument("--finetune-updates", type=int, default=0, metavar="N",
                         help="fine-tune the converted model N updates afterwards (default 0: none)")
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="its constant lr (default 1e-4)")
-    parser.add_argument("--calibration-tokens", type=int, default=2000, metavar="N",
-                        help="source tokens of the training set used for calibration (default 2000)")
+    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS, metavar="N",
+                        help=f"source tokens of the training set used for calibration (default "
+                             f"{DEFAULT_CALIBRATION_TOKENS}; at most {MAX_FIT_ROWS} rows per norm are fitted)")
+    parser.add_argument("--calibration", default="layerwise",
+                        help="layerwise (default: norm k fitted on its inputs with norms < k converted) "
+                             "or per-norm (every norm on the original model's activations)")
+    parser.add_argument("--affine", default=None,
+                        help="gamma/beta: joint (default: fitted per channel with alpha), gamma (beta "
+                             "copied, gamma refitted) or keep (both copied)")
     parser.add_argument("--keep-gamma", action="store_true",
-                        help="copy gamma unchanged (default: refit it per channel when that fits better)")
+                        help="copy gamma and beta unchanged, fit alpha only (same as --affine keep)")
     parser.add_argument("--beam", type=int, default=DEFAULT_GENERATION["beam"], help="dev BLEU beam (4)")
     parser.add_argument("--lenpen", type=float, default=DEFAULT_GENERATION["lenpen"],
                         help="dev BLEU length penalty (0.6)")
     args = parser.parse_args(argv)
     try:
+        if args.keep_gamma and args.affine not in (None, "keep"):
+            raise NormplugError(f"--keep-gamma contradicts --affine {args.affine}; pass one of them")
         report = convert(args.checkpoint, args.data, args.out, args.to, args.finetune_updates,
                          args.finetune_lr, args.calibration_tokens, not args.keep_gamma,
-                         {"beam": args.beam, "lenpen": args.lenpen})
+                         {"beam": args.beam, "lenpen": args.lenpen}, calibration=args.calibration,
+                         affine=args.affine)
     except NormplugError as error:
         sys.exit(f"convert_norms.sh: error: {error}")
     if not report["calibration_beats_naive"]:
