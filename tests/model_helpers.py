@@ -1,4 +1,7 @@
 """Build plugin and stock models in-process from command-line style flags."""
+import math
+from argparse import Namespace
+
 import torch
 from fairseq import options, tasks, utils
 
@@ -70,3 +73,44 @@ def assert_same_model(ours, stock, task):
     src, lengths, prev = toy_batch(task)
     with torch.no_grad():
         assert torch.equal(ours(src, lengths, prev)[0], stock(src, lengths, prev)[0])
+
+
+def assert_incremental_matches_full(model, task):
+    """Incremental decoding equals the full forward, up to float noise relative to the output's
+    scale (DyISRU with randomised parameters amplifies it to ~1e-5 of the scale)."""
+    steps, full = incremental_and_full(randomized(model, seed=1), task)
+    assert torch.isfinite(full).all()
+    scale = max(1.0, full.abs().max().item())
+    assert (steps - full).abs().max().item() < 1e-4 * scale
+
+
+def toy_sample(task, seed=0):
+    """A training sample (net_input, target) built on :func:`toy_batch` (batch 4, length 7)."""
+    src, lengths, prev = toy_batch(task, batch=4, length=7, seed=seed)
+    target = torch.cat([prev[:, 1:], torch.full((4, 1), task.target_dictionary.eos())], dim=1)
+    return {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
+            "target": target, "ntokens": target.numel(), "nsentences": 4}
+
+
+def assert_training_steps_reach_every_parameter(model, task, args, after_first_backward=None, steps=4):
+    """Forward/backward + Adam steps on one repeated toy sample (label smoothing 0.1): every
+    parameter gets a gradient on the first step (``after_first_backward(model)`` may check
+    more), the losses are finite and go down; returns them."""
+    criterion = task.build_criterion(Namespace(**{**vars(args), "label_smoothing": 0.1}))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    sample = toy_sample(task, seed=3)
+    losses = []
+    for step in range(steps):
+        loss = criterion(model, sample)[0]
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+            assert not missing, missing
+            if after_first_backward is not None:
+                after_first_backward(model)
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    return losses

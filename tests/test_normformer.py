@@ -5,7 +5,6 @@ decoding against the full forward, training steps in-process and through fairseq
 a reload, compositions (norm types, inits, QKNorm, residual scales, LayerNorm Scaling,
 quant-noise) and the refused combinations."""
 import math
-from argparse import Namespace
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from fairseq_normplug.models.placement_args import resolve_placement_args
 from fairseq_normplug.models.placements.normformer import HeadScaledProjection
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.qknorm import HeadNormProjection
-from model_helpers import build, incremental_and_full, parse_args, randomized, toy_batch
+from model_helpers import (assert_incremental_matches_full, assert_training_steps_reach_every_parameter, build,
+                           parse_args, randomized, toy_batch)
 from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, FFN 128, 2 heads (d_k 32), 2+2 layers
@@ -209,17 +209,7 @@ COMBINATIONS = {
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_incremental_decoding_equals_the_full_forward(tiny_bin, name):
     model, task, _ = build(tiny_bin, TINY, *NF, *COMBINATIONS[name])
-    steps, full = incremental_and_full(randomized(model, seed=1), task)
-    assert torch.isfinite(full).all()
-    scale = max(1.0, full.abs().max().item())
-    assert (steps - full).abs().max().item() < 1e-4 * scale
-
-
-def toy_sample(task, seed=0):
-    src, lengths, prev = toy_batch(task, batch=4, length=7, seed=seed)
-    target = torch.cat([prev[:, 1:], torch.full((4, 1), task.target_dictionary.eos())], dim=1)
-    return {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
-            "target": target, "ntokens": target.numel(), "nsentences": 4}
+    assert_incremental_matches_full(model, task)
 
 
 @pytest.mark.parametrize("name", list(COMBINATIONS))
@@ -227,25 +217,14 @@ def test_training_steps_reach_every_parameter(tiny_bin, name):
     """Forward/backward + Adam steps: finite losses, a gradient for every parameter (head
     scales and the new norms included), and the loss goes down on a repeated batch."""
     model, task, args = build(tiny_bin, TINY, *NF, *COMBINATIONS[name])
-    criterion = task.build_criterion(Namespace(**{**vars(args), "label_smoothing": 0.1}))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    sample = toy_sample(task, seed=3)
-    losses = []
-    for step in range(4):
-        loss = criterion(model, sample)[0]
-        optimizer.zero_grad()
-        loss.backward()
-        if step == 0:
-            missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-            assert not missing, missing
-            head_grads = [p.grad for n, p in model.named_parameters() if n.endswith("head_scale")]
-            assert len(head_grads) == 4
-            if "rezero" not in COMBINATIONS[name]:  # ReZero's alpha = 0 at init zeroes every branch's gradient
-                assert all(g.abs().sum() > 0 for g in head_grads)
-        optimizer.step()
-        losses.append(loss.item())
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+    def head_scales_learn(model):
+        head_grads = [p.grad for n, p in model.named_parameters() if n.endswith("head_scale")]
+        assert len(head_grads) == 4
+        if "rezero" not in COMBINATIONS[name]:  # ReZero's alpha = 0 at init zeroes every branch's gradient
+            assert all(g.abs().sum() > 0 for g in head_grads)
+
+    assert_training_steps_reach_every_parameter(model, task, args, head_scales_learn)
     if "--quant-noise-pq" in COMBINATIONS[name]:  # quant-noise's hook moved to the wrapped out_proj
         out_proj = model.encoder.layers[0].self_attn.out_proj
         assert len(out_proj._forward_pre_hooks) == len(model.encoder.layers[0].self_attn.v_proj._forward_pre_hooks) == 1

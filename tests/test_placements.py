@@ -4,7 +4,6 @@ layer's own modules, the count and place of its norms, incremental decoding agai
 forward, training steps in-process and through fairseq-train, flags-off equality with stock
 fairseq, and the refused combinations."""
 import math
-from argparse import Namespace
 
 import pytest
 import torch
@@ -16,7 +15,8 @@ from fairseq_normplug.models.norm_placement import named_norms, output_norm
 from fairseq_normplug.models.placements import PLACEMENT_NAMES
 from fairseq_normplug.models.placements.mix import post_layers
 from fairseq_normplug.modules.rms_norm import RMSNorm
-from model_helpers import assert_same_model, build, incremental_and_full, parse_args, randomized, toy_batch
+from model_helpers import (assert_incremental_matches_full, assert_same_model, assert_training_steps_reach_every_parameter,
+                           build, parse_args, randomized, toy_batch)
 from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
@@ -224,42 +224,16 @@ INCREMENTAL.update({
 @pytest.mark.parametrize("name", list(INCREMENTAL))
 def test_incremental_decoding_equals_the_full_forward(tiny_bin, name):
     model, task, _ = build(tiny_bin, TINY, *INCREMENTAL[name])
-    steps, full = incremental_and_full(randomized(model, seed=1), task)
-    assert torch.isfinite(full).all()
-    # float noise only (DyISRU with randomised parameters amplifies it to ~1e-5 of the scale)
-    scale = max(1.0, full.abs().max().item())
-    assert (steps - full).abs().max().item() < 1e-4 * scale
+    assert_incremental_matches_full(model, task)
 
 
 # ---- training -----------------------------------------------------------------------------
-
-def toy_sample(task, seed=0):
-    src, lengths, prev = toy_batch(task, batch=4, length=7, seed=seed)
-    target = torch.cat([prev[:, 1:], torch.full((4, 1), task.target_dictionary.eos())], dim=1)
-    return {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
-            "target": target, "ntokens": target.numel(), "nsentences": 4}
-
 
 @pytest.mark.parametrize("name", list(INCREMENTAL))
 def test_training_steps_reach_every_parameter(tiny_bin, name):
     """Forward/backward + Adam steps: finite losses, a gradient for every parameter (no unused
     norm, which would break DDP), and the loss goes down on a repeated batch."""
-    model, task, args = build(tiny_bin, TINY, *INCREMENTAL[name])
-    criterion = task.build_criterion(Namespace(**{**vars(args), "label_smoothing": 0.1}))
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    sample = toy_sample(task, seed=3)
-    losses = []
-    for step in range(4):
-        loss = criterion(model, sample)[0]
-        optimizer.zero_grad()
-        loss.backward()
-        if step == 0:
-            missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-            assert not missing, missing
-        optimizer.step()
-        losses.append(loss.item())
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert_training_steps_reach_every_parameter(*build(tiny_bin, TINY, *INCREMENTAL[name]))
 
 
 @pytest.mark.parametrize("placement,flags", [("resi-dual", ["--layernorm-scaling"]), ("b2t", ["--rmsnorm"])])

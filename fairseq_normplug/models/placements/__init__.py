@@ -12,8 +12,8 @@ built stock fairseq model (PostNorm, or PreNorm for ``pre``) into that placement
   scales before the attention's output projection and a norm after the FFN's activation
   (``normformer.py``), installed by :func:`install_normformer`.
 
-Adding a placement: one small module with ``install(model, settings)`` (a layer mixin over
-``base.PlacementEncoderLayer``/``PlacementDecoderLayer`` defining ``sublayers``), one line
+Adding a placement: one small module with ``install(model, settings)`` (a layer mixin defining
+``sublayers``, put on each layer by ``base.swap_layer_class``), one line
 here (and one in ``PLACEMENT_INITS`` if its authors change the init), its new norm attributes in ``models/norm_placement.py``'s slot tables, and its refusals
 in ``models/placement_args.py``. Extra norms are built as LayerNorms and converted with all
 others by ``install_norms``, so every ``--norm-type`` works.

@@ -16,8 +16,7 @@ its stack; :func:`rescale_init` does the same, after the chosen ``--weight-init`
 """
 import torch
 
-from fairseq_normplug.models.placements.base import (PlacementDecoderLayer, PlacementEncoderLayer,
-                                                    stacks, swap_layer_class)
+from fairseq_normplug.models.placements.base import stacks, swap_layer_class
 
 
 class B2TLayer:
@@ -31,18 +30,11 @@ class B2TLayer:
         return x
 
 
-class B2TEncoderLayer(B2TLayer, PlacementEncoderLayer):
-    pass
-
-
-class B2TDecoderLayer(B2TLayer, PlacementDecoderLayer):
-    pass
-
 
 def install(model, settings) -> None:
     for stack in stacks(model):
         for layer in stack.layers:
-            swap_layer_class(layer, B2TEncoderLayer, B2TDecoderLayer)
+            swap_layer_class(layer, B2TLayer)
 
 
 def rescale_init(model) -> None:

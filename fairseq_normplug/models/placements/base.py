@@ -1,9 +1,9 @@
 """What every placement layer shares: fairseq's own sublayers as plain functions F(x), and the
 class swap that gives a built fairseq layer a placement's forward.
 
-A placement layer is a mixin put in front of fairseq's ``TransformerEncoderLayerBase`` /
-``TransformerDecoderLayerBase`` (``layer.__class__`` is swapped after the stock build, as
-``modules/residual_scale.py`` does). Its ``forward`` keeps fairseq's signature and return
+A placement is a mixin that :func:`swap_layer_class` puts, with the encoder or decoder forward
+below, in front of fairseq's ``TransformerEncoderLayerBase`` / ``TransformerDecoderLayerBase``
+(``layer.__class__`` is swapped after the stock build, as ``modules/residual_scale.py`` does). Its ``forward`` keeps fairseq's signature and return
 values and runs the sublayers through :meth:`PlacementLayer.sublayers`, which each
 placement defines: it gets the layer input and the list ``[(kind, F), ...]`` with kind
 ``attn`` (self-attention), ``cross`` (decoder cross-attention, when present) and ``ffn``,
@@ -132,14 +132,18 @@ class PlacementDecoderLayer(PlacementLayer):
 _CLASSES: Dict[Tuple[type, type], type] = {}
 
 
-def swap_layer_class(layer: nn.Module, encoder_mixin: type, decoder_mixin: type) -> None:
-    """Put the placement's encoder or decoder mixin in front of ``layer``'s class."""
+def swap_layer_class(layer: nn.Module, mixin: type) -> None:
+    """Put the placement's ``mixin`` (its ``sublayers``) and the encoder or decoder forward
+    (:class:`PlacementEncoderLayer` / :class:`PlacementDecoderLayer`) in front of ``layer``'s
+    class; e.g. ``B2TLayer`` on fairseq's decoder layer gives ``B2TDecoderLayer...``."""
     from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
-    mixin = decoder_mixin if isinstance(layer, TransformerDecoderLayerBase) else encoder_mixin
+    decoder = isinstance(layer, TransformerDecoderLayerBase)
     cls = type(layer)
     if (mixin, cls) not in _CLASSES:
-        _CLASSES[(mixin, cls)] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+        stack_forward = PlacementDecoderLayer if decoder else PlacementEncoderLayer
+        name = mixin.__name__.removesuffix("Layer") + ("DecoderLayer" if decoder else "EncoderLayer") + cls.__name__
+        _CLASSES[(mixin, cls)] = type(name, (mixin, stack_forward, cls), {})
     layer.__class__ = _CLASSES[(mixin, cls)]
 
 

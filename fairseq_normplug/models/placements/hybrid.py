@@ -25,8 +25,7 @@ from torch import nn
 
 from fairseq_normplug.modules.norm_registry import ATTENTION, FINAL
 
-from fairseq_normplug.models.placements.base import (PlacementDecoderLayer, PlacementEncoderLayer,
-                                                    new_norm, set_final_norm, stacks, swap_layer_class)
+from fairseq_normplug.models.placements.base import new_norm, set_final_norm, stacks, swap_layer_class
 
 
 class NormedProjection(nn.Linear):
@@ -55,13 +54,6 @@ class HybridLayer:
         return x
 
 
-class HybridEncoderLayer(HybridLayer, PlacementEncoderLayer):
-    pass
-
-
-class HybridDecoderLayer(HybridLayer, PlacementDecoderLayer):
-    pass
-
 
 def install(model, settings) -> None:
     for stack in stacks(model):
@@ -77,5 +69,5 @@ def install(model, settings) -> None:
                 # projection weights directly; this switch makes every call use the modules
                 attn._set_skip_embed_dim_check()
                 setattr(layer, norm_name, None)
-            swap_layer_class(layer, HybridEncoderLayer, HybridDecoderLayer)
+            swap_layer_class(layer, HybridLayer)
         set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL))

@@ -28,8 +28,7 @@ from torch import nn
 
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 
-from fairseq_normplug.models.placements.base import (PlacementDecoderLayer, PlacementEncoderLayer,
-                                                    new_norm, stacks, swap_layer_class)
+from fairseq_normplug.models.placements.base import new_norm, stacks, swap_layer_class
 
 
 class HeadScaledProjection(nn.Linear):
@@ -67,13 +66,6 @@ class NormFormerLayer:
         return x
 
 
-class NormFormerEncoderLayer(NormFormerLayer, PlacementEncoderLayer):
-    pass
-
-
-class NormFormerDecoderLayer(NormFormerLayer, PlacementDecoderLayer):
-    pass
-
 
 def _insert_module(owner: nn.Module, name: str, module: nn.Module, *, after: str = None, before: str = None) -> None:
     """Register ``module`` as ``owner.<name>`` right after ``after`` (or before ``before``), so
@@ -104,4 +96,4 @@ def install(model) -> None:
             # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read
             # out_proj.weight directly; this switch makes every call apply out_proj as a module
             attn._set_skip_embed_dim_check()
-            swap_layer_class(layer, NormFormerEncoderLayer, NormFormerDecoderLayer)
+            swap_layer_class(layer, NormFormerLayer)

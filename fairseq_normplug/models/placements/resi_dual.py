@@ -19,8 +19,7 @@ import torch
 
 from fairseq_normplug.modules.norm_registry import FINAL
 
-from fairseq_normplug.models.placements.base import (PlacementDecoderLayer, PlacementEncoderLayer,
-                                                    new_norm, stacks, swap_layer_class)
+from fairseq_normplug.models.placements.base import new_norm, stacks, swap_layer_class
 
 
 class ResiDualLayer:
@@ -38,13 +37,6 @@ class ResiDualLayer:
         return torch.cat([x, y], dim=-1)
 
 
-class ResiDualEncoderLayer(ResiDualLayer, PlacementEncoderLayer):
-    pass
-
-
-class ResiDualDecoderLayer(ResiDualLayer, PlacementDecoderLayer):
-    pass
-
 
 def install(model, settings) -> None:
     for stack in stacks(model):
@@ -53,4 +45,4 @@ def install(model, settings) -> None:
             layer.resi_dual_first, layer.resi_dual_last = index == 0, index == last
             if index == last:
                 layer.resi_dual_layer_norm = new_norm(layer.embed_dim, FINAL)
-            swap_layer_class(layer, ResiDualEncoderLayer, ResiDualDecoderLayer)
+            swap_layer_class(layer, ResiDualLayer)

@@ -12,8 +12,7 @@ Dropout acts on the normalised branch output, before the residual addition.
 """
 from fairseq_normplug.modules.norm_registry import FINAL
 
-from fairseq_normplug.models.placements.base import (PlacementDecoderLayer, PlacementEncoderLayer,
-                                                    new_norm, set_final_norm, stacks,
+from fairseq_normplug.models.placements.base import (new_norm, set_final_norm, stacks,
                                                     swap_layer_class)
 
 OUT_NORMS = {"attn": "self_attn_out_layer_norm", "cross": "encoder_attn_out_layer_norm",
@@ -28,13 +27,6 @@ class SandwichLayer:
         return x
 
 
-class SandwichEncoderLayer(SandwichLayer, PlacementEncoderLayer):
-    pass
-
-
-class SandwichDecoderLayer(SandwichLayer, PlacementDecoderLayer):
-    pass
-
 
 def install(model, settings) -> None:
     from fairseq_normplug.models.norm_placement import LAYER_NORM_SLOTS
@@ -45,5 +37,5 @@ def install(model, settings) -> None:
             for kind, attr in OUT_NORMS.items():
                 if kind != "cross" or getattr(layer, "encoder_attn", None) is not None:
                     setattr(layer, attr, new_norm(layer.embed_dim, roles[attr]))
-            swap_layer_class(layer, SandwichEncoderLayer, SandwichDecoderLayer)
+            swap_layer_class(layer, SandwichLayer)
         set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL))
