@@ -90,9 +90,13 @@ def expected_path(path, x):
                                               (DECODE_SHAPE, True)],
                          ids=["train", "train-noncontiguous", "decode-step"])
 def test_fast_path_matches_reference_float32(name, shape, contiguous, path):
-    module = randomized(MODULES[name]())
-    x = make_input(shape, contiguous)
-    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    assert_fast_path_matches_reference(randomized(MODULES[name]()), make_input(shape, contiguous), path)
+
+
+def assert_fast_path_matches_reference(module, x, path):
+    """``module``'s forward (its fast path) agrees with its ``reference`` in values and gradients
+    on ``x``, and takes the path expected under the ``path`` fixture's switches."""
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
     fast = values_and_grads(module, module, x, grad)
     ref = values_and_grads(module.reference, module, x, grad)
     for a, b in zip(fast, ref):

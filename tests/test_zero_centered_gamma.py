@@ -27,7 +27,8 @@ from fairseq_normplug.modules.norm_stats import norm_scale_stats
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from model_helpers import build, parse_args, toy_batch
 from test_cli import TRAIN_COMMON, cli, log_records
-from test_fast_norms import PATH_SWITCHES, assert_rel_close, expected_path, make_input, values_and_grads
+from test_fast_norms import (PATH_SWITCHES, assert_fast_path_matches_reference, assert_rel_close, make_input,
+                             values_and_grads)
 
 TINY = "transformer_normplug_tiny"
 SUPPORTED = ("layernorm", "rmsnorm", "dyt", "derf", "dyisru")
@@ -116,14 +117,7 @@ def test_formula_and_equivalence_with_a_stock_gain_of_one_plus_gamma(norm_type):
 @pytest.mark.parametrize("shape", [(64, 16, 128), (1, 8, 128)], ids=["train", "decode-step"])
 def test_fast_paths_take_the_effective_gain_and_match_the_reference(norm_type, shape, path):
     """RMSNorm and DyT keep their fast paths (native C++, eager) with the flag, and they agree with ``reference`` (the formula with 1 + gamma) in values and gradients."""
-    module = set_params(make(norm_type, 128, True))
-    x = make_input(shape)
-    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
-    fast = values_and_grads(module, module, x, grad)
-    ref = values_and_grads(module.reference, module, x, grad)
-    for a, b in zip(fast, ref):
-        assert_rel_close(a, b)
-    assert module.fast_path(x) == expected_path(path, x)
+    assert_fast_path_matches_reference(set_params(make(norm_type, 128, True)), make_input(shape), path)
 
 
 @pytest.mark.parametrize("norm_type", SUPPORTED)
