@@ -312,10 +312,10 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
     from fairseq_normplug.experiments.tables import config_string, load_paper_results, paper_bleu
 
     table = load_table("beyond")
-    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 11 + 12
+    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 11 + 13 + 12
     final = table.row("PreNorm + FixNorm + ScaleNorm + NoWarmup")
     assert final.model == ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"]
-    authors = [row for row in table.rows if row.schedule != "no_warmup"]  # QKNorm's authors' configuration
+    authors = [row for row in table.rows if row.schedule == "val_decay"]  # QKNorm's authors' configuration
     assert [row.name for row in authors] == ["PreNorm + FixNorm + LayerNorm + ValDecay (stop lr 1e-5)",
                                              "PreNorm + FixNorm + LayerNorm + ValDecay (stop lr 1e-5) + QKNorm"]
     assert all(row.schedule == "val_decay" and row.train == ["--stop-lr", "1e-5"] for row in authors)
@@ -329,6 +329,16 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
                       "en-vi") is None
     for depth in (6, 12, 18):
         assert table.row(f"PostNorm + DeepNorm {depth} layers").model[-1] == str(depth)
+    # issue 21's rows: with warmup, each against PostNorm or PreNorm + LayerNorm with warmup
+    warmup = [row for row in table.rows if row.schedule == "inv_sqrt_decay"]
+    assert len(warmup) == 13 and warmup[0].model == [] and warmup[1].model == ["--prenorm"]
+    placements = {row.model[1] for row in warmup if row.model[:1] == ["--norm-placement"]}
+    assert placements == {"sandwich", "resi-dual", "b2t", "mix", "hybrid"}
+    assert table.row("PostNorm + Admin + warmup").baseline == warmup[0].name
+    decayed = [row for row in warmup if row.train == ["--weight-decay", "0.1"]]
+    assert [row.model for row in decayed] == [["--prenorm"], ["--prenorm", "--zero-centered-gamma"],
+                                               ["--prenorm", "--norm-weight-decay", "0"]]
+    assert decayed[1].baseline == decayed[2].baseline == decayed[0].name
 
 
 @pytest.mark.parametrize("row", [r.name for r in load_table("beyond").rows])
@@ -337,3 +347,31 @@ def test_every_beyond_row_builds_a_tiny_model(tiny_bin, row):
     model, _, _ = build(tiny_bin, TINY, *flags)
     layers = flags[flags.index("--encoder-layers") + 1] if "--encoder-layers" in flags else "2"
     assert len(model.encoder.layers) == len(model.decoder.layers) == int(layers)
+
+
+# ---- speed and memory of the rows (scripts/bench_train.sh --variants beyond) -----------------
+
+def test_the_speed_benchmark_covers_every_beyond_row():
+    """Each row of the beyond table (the depth sweep aside: same modules, more layers) has a
+    variant of bench_train with its model flags; DyT's alpha0 and Mix-LN's ratio at 3 layers
+    change no module."""
+    from fairseq_normplug.bench.bench_train import BEYOND, PLUGIN, VARIANTS
+
+    benched = [VARIANTS[name][len(PLUGIN):] for name in BEYOND.split(",") if VARIANTS[name][:2] == PLUGIN[:2]]
+    for row in load_table("beyond").rows:
+        if "--encoder-layers" in row.model:
+            continue
+        flags = [f for f in row.model if f not in ("--dyt-alpha-init", "0.5", "auto")]
+        if row.model == ["--norm-placement", "mix"]:
+            flags += ["--mix-ln-ratio", "0.34"]
+        assert flags in benched, row.name
+
+
+@pytest.mark.parametrize("variant", __import__("fairseq_normplug.bench.bench_train", fromlist=["BEYOND"]).BEYOND.split(","))
+def test_every_beyond_speed_variant_builds(tiny_bin, variant):
+    from fairseq_normplug.bench.bench_train import PLUGIN, VARIANTS
+
+    flags = VARIANTS[variant]
+    arch = flags[flags.index("--arch") + 1]
+    model, _, _ = build(tiny_bin, arch, *[f for f in flags[2:] if f not in PLUGIN])
+    assert len(model.encoder.layers) == len(model.decoder.layers) == 3

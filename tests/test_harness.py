@@ -1,5 +1,9 @@
 """The test suite's own rules (tests/conftest.py), on stand-in commands: a failed peer and a
-hang end their job at once, and a fast path's fallback warning fails a command's test."""
+hang end their job at once, a fast path's fallback warning fails a command's test, fairseq
+starts without scikit-learn, and the fork server runs commands as they would run alone."""
+import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -80,3 +84,62 @@ def test_commands_start_without_importing_sklearn_and_scipy_until_used():
     proc = run_cli([sys.executable, "-c", FAST_START_CHECK])
     assert proc.stdout.split("] ")[0] + "]" == "['scipy', 'scipy.stats', 'sklearn', 'sklearn.metrics']"
     assert proc.stdout.split("] ")[1].split() == ["0.6667", "0.982", "-2.0", "module", "True"]
+
+
+# ---- the fork server (tests/fast_start/_normplug_zygote.py) --------------------------------
+
+PROBE = """import os, signal, sys, time
+if sys.argv[1] == "wait":
+    with open(sys.argv[2], "w") as f:
+        f.write(str(os.getpid()))
+print("preloaded" if "torch" in sys.modules else "fresh", os.getcwd(), sys.argv[1:], os.environ.get("PROBE"),
+      sys.stdin.read().strip(), flush=True)
+print("to stderr", file=sys.stderr)
+if sys.argv[1] == "wait":
+    time.sleep(300)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def probe(tmp_path):
+    if not os.environ.get(conftest.ZYGOTE_ENV):
+        pytest.skip("NORMPLUG_TEST_FORK_SERVER=0")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.environ[conftest.ZYGOTE_ENV]):  # the server is still importing
+        assert time.monotonic() < deadline, "the fork server did not start"
+        time.sleep(0.2)
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    return str(script)
+
+
+def test_a_command_runs_in_the_fork_server_as_on_its_own(probe, tmp_path):
+    proc = run_cli([sys.executable, probe, "3", "x y"], cwd=str(tmp_path), check=False, env={"PROBE": "v"},
+                   input="from stdin\n")
+    assert proc.returncode == 3
+    assert proc.stdout == f"preloaded {tmp_path} ['3', 'x y'] v from stdin\n" and proc.stderr == "to stderr\n"
+    # another interpreter-level environment, or python -c: started on its own
+    fresh = run_cli([sys.executable, probe, "0"], cwd=str(tmp_path), env={"PYTHONHASHSEED": "7"}, input="")
+    assert fresh.stdout.startswith("fresh ")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM forwarded", "client killed"])
+def test_a_command_in_the_fork_server_dies_with_its_client(probe, tmp_path, how):
+    pid_file = tmp_path / "pid"
+    client = subprocess.Popen([sys.executable, probe, "wait", str(pid_file)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=conftest.command_env())
+    try:
+        assert client.stdout.readline().startswith("preloaded ")
+        command = int(pid_file.read_text())
+        assert command != client.pid
+        client.send_signal(signal.SIGTERM if how == "SIGTERM forwarded" else signal.SIGKILL)
+        assert client.wait(timeout=60) == (-signal.SIGTERM if how == "SIGTERM forwarded" else -signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{command}") and open(f"/proc/{command}/stat").read().split()[2] != "Z":
+            assert time.monotonic() < deadline, "the command outlived its client"
+            time.sleep(0.05)
+    finally:
+        client.kill()
+        client.wait()
+        client.stdout.close()

@@ -361,6 +361,26 @@ def test_print_commands_of_the_paper_recipe_before_the_data_is_prepared(tmp_path
     assert "--beam 4 --max-len-a 1 --max-len-b 50 --gnmt-alpha 0.6 --gnmt-search" in test
 
 
+def test_a_table_under_another_recipe_runs_apart_from_its_own(tmp_path, capsys):
+    """--recipe cpu_short: the beyond rows at CPU scale (600 updates, greedy dev and test), in
+    runs/beyond.cpu_short, never in the table's own run folders; a bad name is one line."""
+    runs_dir = tmp_path / "runs"
+    reproduce.main(["beyond", "de-en", "--recipe", "cpu_short", "--data", f"de-en={tmp_path / 'de-en'}",
+                    "--runs-dir", str(runs_dir), "--rows", "B2T + warmup", "--print-commands"])
+    out = capsys.readouterr().out
+    assert f"run folder: {runs_dir / 'beyond.cpu_short' / 'de-en' / 'b2t-warmup'}" in out
+    train = next(line for line in out.splitlines() if line.startswith("  train: "))
+    test = next(line for line in out.splitlines() if line.startswith("  test: "))
+    assert "--arch transformer_normplug_mini" in train and "--max-update 600" in train
+    assert "--stop-patience" not in train and "--norm-placement b2t" in train
+    assert '--eval-bleu-args \'{"beam": 1, "max_len_a": 1.2, "max_len_b": 10}\'' in train
+    assert "--beam 1 --max-len-a 1.2 --max-len-b 10" in test and "--gnmt" not in test
+    with pytest.raises(SystemExit) as error:
+        reproduce.main(["beyond", "de-en", "--recipe", "cpu_shrot", "--print-commands"])
+    assert str(error.value).startswith("reproduce.sh: error: unknown recipe 'cpu_shrot'; choose from ted, ")
+    assert "\n" not in str(error.value)
+
+
 def test_print_commands_shows_the_slurm_submission(fake_data, tmp_path, capsys):
     reproduce.main(["demo", "--data", f"src-tgt={fake_data}", "--runs-dir", str(tmp_path / "runs"),
                     "--rows", "PreNorm + DyT", "--launcher", "slurm", "--partition", "gpu", "--time-limit", "600",

@@ -46,7 +46,7 @@ def test_every_recipe_states_its_tokens_per_update():
     with open(os.path.join(CONFIG_DIR, "recipes.json"), encoding="utf-8") as f:
         raw = {name: value for name, value in json.load(f).items() if not name.startswith("_")}
     assert {name: data.get("tokens_per_update") for name, data in raw.items()} == {
-        "ted": 4096, "iwslt15": 4096, "wmt14": 28672, "cpu_converge": 2000, "cpu_small": 1000, "cpu_tiny": 1500}
+        "ted": 4096, "iwslt15": 4096, "wmt14": 28672, "cpu_converge": 2000, "cpu_short": 2000, "cpu_small": 1000, "cpu_tiny": 1500}
     recipes = load_recipes()
     for name in ("ted", "iwslt15"):  # the authors' --max-tokens 4096 per update on one device
         assert last_flag_value(recipes[name].train, "--max-tokens") == "4096"

@@ -53,7 +53,37 @@ VARIANTS = {
     "prenorm-rmsnorm": PLUGIN + ["--prenorm", "--norm-type", "rmsnorm"],
     "prenorm-dyt": PLUGIN + ["--prenorm", "--norm-type", "dyt"],
 }
+#: the model flags of each row of the beyond table (configs/experiments/beyond.json;
+#: docs/beyond.md), for its speed and memory against stock (docs/speed.md)
+BEYOND_VARIANTS = {
+    "fixnorm-scalenorm": ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"],
+    "fixnorm-scalenorm-qknorm": ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit", "--qknorm"],
+    "fixnorm-layernorm": ["--prenorm", "--fixnorm", "--smallinit"],
+    "fixnorm-layernorm-qknorm": ["--prenorm", "--fixnorm", "--smallinit", "--qknorm"],
+    "dyt-smallinit": ["--prenorm", "--dyt", "--smallinit"],
+    "prenorm-derf": ["--prenorm", "--norm-type", "derf", "--smallinit"],
+    "prenorm-dyisru": ["--prenorm", "--norm-type", "dyisru", "--smallinit"],
+    "rezero": ["--norm-type", "identity", "--residual-scale", "rezero"],
+    "layerscale": ["--prenorm", "--residual-scale", "layerscale"],
+    "deepnorm": ["--residual-scale", "deepnorm"],
+    "tfixup": ["--norm-type", "identity", "--weight-init", "tfixup"],
+    "sandwich": ["--norm-placement", "sandwich"],
+    "resi-dual": ["--norm-placement", "resi-dual"],
+    "b2t": ["--norm-placement", "b2t"],
+    "mix": ["--norm-placement", "mix", "--mix-ln-ratio", "0.34"],
+    "hybrid": ["--norm-placement", "hybrid"],
+    "normformer": ["--prenorm", "--normformer"],
+    "layernorm-scaling": ["--prenorm", "--layernorm-scaling"],
+    "admin": ["--residual-scale", "admin"],
+    "zero-centered-gamma": ["--prenorm", "--zero-centered-gamma"],
+    "norm-weight-decay-0": ["--prenorm", "--norm-weight-decay", "0"],
+}
+VARIANTS.update({name: PLUGIN + flags for name, flags in BEYOND_VARIANTS.items()})
+VARIANTS["stock-prenorm"] = VARIANTS["stock"] + ["--encoder-normalize-before", "--decoder-normalize-before"]
 DEFAULT_VARIANTS = "stock,off,scalenorm,rmsnorm,dyt"
+#: ``--variants beyond``: stock (PostNorm and PreNorm), then every beyond row (PostNorm and PreNorm
+#: + LayerNorm are ``off`` and ``prenorm``)
+BEYOND = ",".join(["stock", "stock-prenorm", "off", "prenorm", *BEYOND_VARIANTS])
 
 
 def _bin(name: str) -> str:
@@ -130,7 +160,7 @@ def run_once(cmd: List[str], skip_updates: int, threads: int = 0) -> Dict:
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help=f"comma-separated, from {', '.join(VARIANTS)}")
+                        help=f"comma-separated, from {', '.join(VARIANTS)}; or 'beyond': {BEYOND}")
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions")
     parser.add_argument("--max-update", type=int, default=120)
     parser.add_argument("--skip-updates", type=int, default=20,
@@ -147,7 +177,7 @@ def main(argv=None) -> str:
         help="where the synthetic corpus is kept")
     parser.add_argument("--out", default=os.path.join(DEFAULT_RESULTS, "bench_train.md"))
     args = parser.parse_args(argv)
-    variants = args.variants.split(",")
+    variants = (BEYOND if args.variants == "beyond" else args.variants).split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown or "stock" not in variants:
         parser.error(f"unknown variants {unknown}" if unknown else "variants must include stock")

@@ -20,7 +20,7 @@ A typo anywhere (unknown key, unknown schedule/recipe/baseline, duplicate row) i
 """
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Union
 
 from fairseq_normplug.errors import NormplugError
@@ -286,6 +286,16 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
         raise NormplugError(f"{path}: 'pairs' must list language pairs like 'gl-en', got {pairs!r}")
     return Table(name=name, title=data.get("title", name), recipe=recipes[data["recipe"]],
                  pairs=list(pairs), rows=rows, schedules=schedules, recipes=recipes)
+
+
+def under_recipe(table: Table, recipe: str) -> Table:
+    """``table``'s rows trained with another recipe (``reproduce.sh beyond de-en --recipe
+    cpu_short``: the beyond rows at CPU scale). The table is renamed ``TABLE.RECIPE``, so its
+    runs and results never mix with the table's own."""
+    if recipe not in table.recipes:
+        raise NormplugError(f"unknown recipe {recipe!r}; choose from {', '.join(table.recipes)}")
+    return replace(table, name=f"{table.name}.{recipe}", recipe=table.recipes[recipe],
+                   title=f"{table.title} (recipe {recipe})")
 
 
 def load_data_locations(config_dir: str = CONFIG_DIR) -> Dict[str, str]:

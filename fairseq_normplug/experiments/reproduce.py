@@ -23,6 +23,7 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, launchers, tables
 from fairseq_normplug.experiments.configs import (
     CONFIG_DIR, REPO, Table, available_tables, load_data_locations, load_table,
+    under_recipe,
 )
 from fairseq_normplug.experiments.runner import (
     Run, check_data_dir, command_batching, generate_command, last_flag_value, read_json, run_folder,
@@ -335,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train every cell with each seed, each in its own run folder (default: 1)")
     parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs"))
     parser.add_argument("--results-dir", help="default: results/TABLE")
+    parser.add_argument("--recipe", metavar="NAME",
+                        help="train the table's rows with this recipe of configs/recipes.json instead of "
+                             "the table's own (e.g. cpu_short); runs and results go under TABLE.NAME")
     parser.add_argument("--train-flags", default="", help="extra fairseq-train flags, one string")
     what = parser.add_argument_group("instead of running the table")
     what.add_argument("--print-commands", action="store_true",
@@ -384,6 +388,8 @@ def main(argv=None):
         if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
             raise NormplugError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
         table = load_table(args.table)
+        if args.recipe:
+            table = under_recipe(table, args.recipe)
         data_dirs = {**load_data_locations(), **parse_data_overrides(args.data)}
         pairs = args.pairs or table.pairs
         results_dir = args.results_dir or os.path.join(REPO, "results", table.name)

@@ -12,6 +12,7 @@ modules in at once. A process that really uses them gets the real ones.
 """
 import importlib
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -79,3 +80,12 @@ def _install() -> None:
 
 if not any(name in sys.modules for name in DEFERRED):
     _install()
+
+# the test session's fork server, when it runs (tests/fast_start/_normplug_zygote.py)
+if os.environ.get("NORMPLUG_TEST_ZYGOTE"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when run by path (kill hook)
+    try:
+        import _normplug_zygote
+    finally:
+        del sys.path[0]
+    _normplug_zygote.start_through_zygote()
