@@ -230,9 +230,12 @@ def main() -> None:
     except KeyboardInterrupt:
         traceback.print_exc()
         code = -signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # reported by sys.excepthook, as Python does (the plugin's exits 2)
         code = 1
+        try:
+            sys.excepthook(*sys.exc_info())
+        except SystemExit as end:
+            code = end.code
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
