@@ -353,18 +353,20 @@ def test_every_beyond_row_builds_a_tiny_model(tiny_bin, row):
 
 def test_the_speed_benchmark_covers_every_beyond_row():
     """Each row of the beyond table (the depth sweep aside: same modules, more layers) has a
-    variant of bench_train with its model flags; DyT's alpha0 and Mix-LN's ratio at 3 layers
-    change no module."""
+    variant of bench_train with its model flags (Mix-LN with one PostNorm layer at 3 layers)."""
     from fairseq_normplug.bench.bench_train import BEYOND, PLUGIN, VARIANTS
 
     benched = [VARIANTS[name][len(PLUGIN):] for name in BEYOND.split(",") if VARIANTS[name][:2] == PLUGIN[:2]]
+    assert len(benched) == len(set(map(tuple, benched))) == 24 - 3 + 2  # 24 rows, 3 of them off or prenorm
     for row in load_table("beyond").rows:
         if "--encoder-layers" in row.model:
+            assert row.model not in benched
             continue
-        flags = [f for f in row.model if f not in ("--dyt-alpha-init", "0.5", "auto")]
+        flags = list(row.model)
         if row.model == ["--norm-placement", "mix"]:
             flags += ["--mix-ln-ratio", "0.34"]
         assert flags in benched, row.name
+    assert VARIANTS["b2t-warmup"] == PLUGIN + ["--norm-placement", "b2t"]
 
 
 @pytest.mark.parametrize("variant", __import__("fairseq_normplug.bench.bench_train", fromlist=["BEYOND"]).BEYOND.split(","))

@@ -53,31 +53,30 @@ VARIANTS = {
     "prenorm-rmsnorm": PLUGIN + ["--prenorm", "--norm-type", "rmsnorm"],
     "prenorm-dyt": PLUGIN + ["--prenorm", "--norm-type", "dyt"],
 }
-#: the model flags of each row of the beyond table (configs/experiments/beyond.json;
-#: docs/beyond.md), for its speed and memory against stock (docs/speed.md)
-BEYOND_VARIANTS = {
-    "fixnorm-scalenorm": ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"],
-    "fixnorm-scalenorm-qknorm": ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit", "--qknorm"],
-    "fixnorm-layernorm": ["--prenorm", "--fixnorm", "--smallinit"],
-    "fixnorm-layernorm-qknorm": ["--prenorm", "--fixnorm", "--smallinit", "--qknorm"],
-    "dyt-smallinit": ["--prenorm", "--dyt", "--smallinit"],
-    "prenorm-derf": ["--prenorm", "--norm-type", "derf", "--smallinit"],
-    "prenorm-dyisru": ["--prenorm", "--norm-type", "dyisru", "--smallinit"],
-    "rezero": ["--norm-type", "identity", "--residual-scale", "rezero"],
-    "layerscale": ["--prenorm", "--residual-scale", "layerscale"],
-    "deepnorm": ["--residual-scale", "deepnorm"],
-    "tfixup": ["--norm-type", "identity", "--weight-init", "tfixup"],
-    "sandwich": ["--norm-placement", "sandwich"],
-    "resi-dual": ["--norm-placement", "resi-dual"],
-    "b2t": ["--norm-placement", "b2t"],
-    "mix": ["--norm-placement", "mix", "--mix-ln-ratio", "0.34"],
-    "hybrid": ["--norm-placement", "hybrid"],
-    "normformer": ["--prenorm", "--normformer"],
-    "layernorm-scaling": ["--prenorm", "--layernorm-scaling"],
-    "admin": ["--residual-scale", "admin"],
-    "zero-centered-gamma": ["--prenorm", "--zero-centered-gamma"],
-    "norm-weight-decay-0": ["--prenorm", "--norm-weight-decay", "0"],
-}
+#: Mix-LN at the benchmark's 3 layers: rho 0.34 gives one PostNorm layer per stack, as the
+#: table's 0.25 does at 6 (docs/beyond.md); 0.25 would give none
+MIX_AT_THREE_LAYERS = ["--mix-ln-ratio", "0.34"]
+
+
+def beyond_variants() -> Dict[str, List[str]]:
+    """{run-folder slug: model flags} of the rows of the beyond table
+    (configs/experiments/beyond.json), for their speed and memory against stock
+    (docs/speed.md): the depth sweep aside (the same modules, more layers), each set of model
+    flags once, PostNorm and PreNorm + LayerNorm being ``off`` and ``prenorm``."""
+    from fairseq_normplug.experiments.configs import load_table
+    from fairseq_normplug.experiments.runner import slug
+
+    variants, seen = {}, [[], ["--prenorm"]]
+    for row in load_table("beyond").rows:
+        if "--encoder-layers" in row.model or row.model in seen:
+            continue
+        seen.append(row.model)
+        extra = MIX_AT_THREE_LAYERS if row.model == ["--norm-placement", "mix"] else []
+        variants[slug(row.name)] = row.model + extra
+    return variants
+
+
+BEYOND_VARIANTS = beyond_variants()
 VARIANTS.update({name: PLUGIN + flags for name, flags in BEYOND_VARIANTS.items()})
 VARIANTS["stock-prenorm"] = VARIANTS["stock"] + ["--encoder-normalize-before", "--decoder-normalize-before"]
 DEFAULT_VARIANTS = "stock,off,scalenorm,rmsnorm,dyt"
