@@ -110,6 +110,17 @@ def test_interrupted_run_resumes(tiny_table, prepared, tmp_path):
     second = train(run, [], echo=lambda m: None)
     assert second["status"] == "done" and second["updates"] == 40
     assert "Loaded checkpoint" in (tmp_path / "run" / "train.log").read_text()
+    # its checkpoints lost (a run folder copied without them): it starts again with a new log
+    shutil.rmtree(tmp_path / "run" / "checkpoints")
+    run.set_status(status="running")
+    messages = []
+    third = train(run, ["--max-update", "10"], echo=messages.append)
+    assert third["status"] == "done" and third["updates"] == 10
+    assert any("no checkpoint to resume from" in m for m in messages)
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "Loaded checkpoint" not in log and 'num_updates": "10"' in log
+    assert 'num_updates": "40"' not in log
+    assert len(list((tmp_path / "run").glob("train.log.no-checkpoint-*"))) == 1
 
 
 def test_best_checkpoint_is_the_best_dev_bleu_and_dev_decodes_like_test(tiny_table, prepared, tmp_path):

@@ -364,6 +364,13 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
         echo(f"[{run.label}] training was over ({over}); not resumed")
         return _training_done(run, minutes_before, last.updates,
                               stopped_by(run.path("train.log"), last.updates, max_update) or over)
+    if last is None and os.path.exists(run.path("train.log")):
+        # nothing to resume from (its checkpoints were lost, e.g. a run folder copied without
+        # them): training starts from update 0, so the old log would count twice in its curves
+        stale = run.path(f"train.log.no-checkpoint-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(run.path("train.log"), stale)
+        echo(f"[{run.label}] no checkpoint to resume from: starting again (old log: {stale})")
+        minutes_before = 0.0
     started = time.time()
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if status['status'] == 'running' else 'starting'}); "
