@@ -117,6 +117,7 @@ def test_interrupted_run_resumes(tiny_table, prepared, tmp_path):
     third = train(run, ["--max-update", "10"], echo=messages.append)
     assert third["status"] == "done" and third["updates"] == 10
     assert any("no checkpoint to resume from" in m for m in messages)
+    assert any("training (starting)" in m for m in messages) and not any("resuming" in m for m in messages)
     log = (tmp_path / "run" / "train.log").read_text()
     assert "Loaded checkpoint" not in log and 'num_updates": "10"' in log
     assert 'num_updates": "40"' not in log

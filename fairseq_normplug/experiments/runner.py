@@ -373,7 +373,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
         minutes_before = 0.0
     started = time.time()
     run.set_status(status="running", command=command)
-    echo(f"[{run.label}] training ({'resuming' if status['status'] == 'running' else 'starting'}); "
+    echo(f"[{run.label}] training ({'resuming' if last is not None else 'starting'}); "
          f"log: {run.path('train.log')}")
     tail = []
     _end_last_line(run.path("train.log"))
