@@ -152,10 +152,15 @@ def repair(save_dir: str) -> List[str]:
     return actions
 
 
-def finished(info: Optional[CheckpointInfo], max_update: Optional[int]) -> Optional[str]:
+def finished(info: Optional[CheckpointInfo], max_update: Optional[int], stop_patience: Optional[int] = None,
+             stop_lr: Optional[float] = None) -> Optional[str]:
     """Why training from ``info`` (checkpoint_last.pt) is already over, or None: ``max_update``
     reached, or after warmup the next lr below the ``--stop-lr`` of our schedulers or their
-    ``--stop-patience`` exhausted (their own rules, fairseq_normplug.optim.lr_scheduler.common)."""
+    ``--stop-patience`` exhausted (their own rules, fairseq_normplug.optim.lr_scheduler.common).
+    ``stop_patience`` and ``stop_lr``: the values of the command that would resume the run, which
+    are the ones fairseq-train applies (None: those the checkpoint was trained with). A run
+    stopped by ``--stop-patience 3`` is not over for ``--stop-patience 5``: resumed, it goes on
+    exactly as if it had been trained with 5 from the start (the rule only decides when to stop)."""
     if info is None:
         return None
     if max_update and info.updates >= max_update:
@@ -166,12 +171,12 @@ def finished(info: Optional[CheckpointInfo], max_update: Optional[int]) -> Optio
     warmup = int(scheduler.get("warmup_updates") or 0)
     if info.updates < warmup:
         return None
-    stop_lr = float(scheduler.get("stop_lr") or 0)
+    stop_lr = float(scheduler.get("stop_lr") or 0) if stop_lr is None else float(stop_lr)
     if stop_lr > 0 and info.next_lr is not None and info.next_lr < stop_lr:
         return f"lr {info.next_lr:.3g} < --stop-lr {stop_lr:g} after update {info.updates}"
     state = info.scheduler_state
-    stalled = patience_exhausted(state.get("history") or [], int(scheduler.get("stop_patience") or 0),
-                                 warmup, bool(state.get("maximize", False)))
+    patience = int(scheduler.get("stop_patience") or 0) if stop_patience is None else int(stop_patience)
+    stalled = patience_exhausted(state.get("history") or [], patience, warmup, bool(state.get("maximize", False)))
     return f"{stalled} after update {info.updates}" if stalled else None
 
 
@@ -181,6 +186,8 @@ def main(argv=None) -> int:
                                                  "its training is already over.")
     parser.add_argument("save_dir", help="fairseq-train's --save-dir")
     parser.add_argument("--max-update", type=int, help="the run's --max-update (to tell a finished run)")
+    parser.add_argument("--stop-patience", type=int, help="the run's --stop-patience (default: the checkpoint's)")
+    parser.add_argument("--stop-lr", type=float, help="the run's --stop-lr (default: the checkpoint's)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.save_dir):
         parser.error(f"no such folder: {args.save_dir}")
@@ -188,7 +195,7 @@ def main(argv=None) -> int:
         print(action)
     last = read_checkpoint(os.path.join(args.save_dir, LAST))
     print(f"{LAST}: " + (f"update {last.updates}" if last else "none (fairseq-train starts from scratch)"))
-    over = finished(last, args.max_update)
+    over = finished(last, args.max_update, args.stop_patience, args.stop_lr)
     if over:
         print(f"training is over: {over}")
         return 3

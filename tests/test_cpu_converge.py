@@ -13,6 +13,9 @@ from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.runner import Run, last_flag_value, run_folder, stopped_by, train
 
 BASELINE = "PostNorm + LayerNorm + warmup"
+#: the recipe's --stop-patience: validations in a row without a dev-BLEU gain that end a run
+PATIENCE = int(last_flag_value(load_table("cpu").recipe.train, "--stop-patience"))
+STOP = 10 * (PATIENCE + 1)  # the tiny run validates every 10 updates and its first is its best
 
 
 def test_every_row_of_the_cpu_table_stops_by_the_recipe_rule():
@@ -51,16 +54,16 @@ def test_a_stalled_run_stops_by_its_patience_before_the_cap(stalled_run):
     assert status["status"] == "done"
     log = open(run.path("train.log"), encoding="utf-8").read()
     validations = [json.loads(line.split("| valid | ", 1)[1]) for line in log.splitlines() if "| valid | " in line]
-    # validations at 10 (the best), 20, 30, 40: three without a gain (--stop-patience 3)
-    assert [int(v["valid_num_updates"]) for v in validations] == [10, 20, 30, 40]
+    # validations at 10 (the best), 20, ..., STOP: PATIENCE without a gain
+    assert [int(v["valid_num_updates"]) for v in validations] == list(range(10, STOP + 1, 10))
     assert len({v["valid_bleu"] for v in validations}) == 1
-    assert "stopping training after update 40: no gain for 3 validations" in log
-    assert status["updates"] == 40 < 200
-    assert status["stopped_by"].startswith("no gain for 3 validations (best ")
-    assert status["stopped_by"].endswith(" at update 10, --stop-patience 3)")
+    assert f"stopping training after update {STOP}: no gain for {PATIENCE} validations" in log
+    assert status["updates"] == STOP < 200
+    assert status["stopped_by"].startswith(f"no gain for {PATIENCE} validations (best ")
+    assert status["stopped_by"].endswith(f" at update 10, --stop-patience {PATIENCE})")
     last = checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST))
-    assert last.updates == 40
-    assert "no gain for 3 validations" in checkpoint_safety.finished(last, 200)
+    assert last.updates == STOP
+    assert f"no gain for {PATIENCE} validations" in checkpoint_safety.finished(last, 200)
 
 
 def test_a_stopped_run_is_not_trained_again(stalled_run):
@@ -68,11 +71,28 @@ def test_a_stopped_run_is_not_trained_again(stalled_run):
     run.set_status(status="running")  # as if killed after its final save
     lines = []
     status = train(run, extra, echo=lines.append)
-    assert status["status"] == "done" and status["updates"] == 40
-    assert status["stopped_by"].startswith("no gain for 3 validations")
-    assert any("training was over (no gain for 3 validations" in line for line in lines)
-    assert checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST)).updates == 40
+    assert status["status"] == "done" and status["updates"] == STOP
+    assert status["stopped_by"].startswith(f"no gain for {PATIENCE} validations")
+    assert any(f"training was over (no gain for {PATIENCE} validations" in line for line in lines)
+    assert checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST)).updates == STOP
     assert os.path.exists(run.path("checkpoints", checkpoint_safety.BEST))
+
+
+def test_more_patience_resumes_a_stopped_run_where_it_stopped(stalled_run):
+    """The stopping rule of the command decides, not the checkpoint's: with 2 more validations
+    of patience the stopped run resumes from its last checkpoint and stops 2 validations later
+    (its log goes on from update STOP: no update is trained twice)."""
+    run, extra, _, _ = stalled_run
+    run.set_status(status="running")  # a finished run's status, reset by hand to train it on
+    lines = []
+    status = train(run, extra + ["--stop-patience", str(PATIENCE + 2)], echo=lines.append)
+    assert any("training (resuming)" in line for line in lines)
+    assert status["status"] == "done" and status["updates"] == STOP + 20
+    assert status["stopped_by"].endswith(f" at update 10, --stop-patience {PATIENCE + 2})")
+    log = open(run.path("train.log"), encoding="utf-8").read()
+    validations = [int(json.loads(line.split("| valid | ", 1)[1])["valid_num_updates"])
+                   for line in log.splitlines() if "| valid | " in line]
+    assert validations == list(range(10, STOP + 21, 10))
 
 
 def test_stopped_by_reads_the_last_rule_from_the_log(tmp_path):

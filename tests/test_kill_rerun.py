@@ -376,7 +376,15 @@ def test_finished_training_is_not_resumed(tmp_path):
     assert checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000) is None
     stalled["history"].append([40, 5.0])
     _fake_checkpoint(path, 40, scheduler=scheduler, scheduler_state=stalled)
-    assert "no gain for 2 validations" in checkpoint_safety.finished(checkpoint_safety.read_checkpoint(str(path)), 1000)
+    stopped = checkpoint_safety.read_checkpoint(str(path))
+    assert "no gain for 2 validations" in checkpoint_safety.finished(stopped, 1000)
+    # the resuming command's rules decide: more patience (or a lower floor) trains on
+    assert checkpoint_safety.finished(stopped, 1000, stop_patience=3) is None
+    assert "no gain for 1 validations" in checkpoint_safety.finished(stopped, 1000, stop_patience=1)
+    _fake_checkpoint(path, 30, next_lr=4e-5, scheduler={"_name": "val_decay", "stop_lr": 5e-5, "warmup_updates": 10})
+    floor = checkpoint_safety.read_checkpoint(str(path))
+    assert checkpoint_safety.finished(floor, 1000, stop_lr=1e-5) is None
+    assert "--stop-lr 0.0001" in checkpoint_safety.finished(floor, 1000, stop_lr=1e-4)
 
 
 def test_command_line_repairs_and_tells_a_finished_run(tmp_path, capsys):

@@ -2,6 +2,7 @@
 results.md shows mean ± sd, the significance test uses every seed. Built from hand-made run
 folders (fairseq-generate output, scores.json, status.json): nothing is trained."""
 import csv
+import dataclasses
 import json
 import os
 import statistics
@@ -11,7 +12,7 @@ import pytest
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, tables
 from fairseq_normplug.experiments.configs import load_table
-from fairseq_normplug.experiments.reproduce import figure_logs, result_rows
+from fairseq_normplug.experiments.reproduce import figure_folders, figure_logs, result_rows
 from fairseq_normplug.experiments.runner import Run, run_folder
 
 SENTENCES = 40
@@ -164,10 +165,26 @@ def test_figure_logs_group_the_seeds_of_a_row(demo_runs):
     table, runs = demo_runs
     for run in runs.values():
         open(run.path("train.log"), "w").close()
-    logs = figure_logs(list(runs.values()), ["src-tgt"])
+    logs = figure_logs(list(runs.values()))
     assert logs == {BASE: [runs[(BASE, 1)].path("train.log"), runs[(BASE, 2)].path("train.log")],
                     SYSTEM: [runs[(SYSTEM, 1)].path("train.log"), runs[(SYSTEM, 2)].path("train.log")]}
-    assert list(figure_logs([runs[(BASE, 1)]], ["src-tgt", "xx-yy"])) == [f"{BASE} (src-tgt)"]
+
+
+def test_a_table_of_several_pairs_draws_one_set_of_figures_per_pair(demo_runs, tmp_path):
+    """Two pairs' BLEU share no scale: each pair's figures go into results_dir/PAIR, with the
+    row names as labels; a one-pair table keeps its figures in results_dir."""
+    table, runs = demo_runs
+    mine = list(runs.values())
+    other = [dataclasses.replace(run, pair="xx-yy", run_dir=str(tmp_path / f"{i}")) for i, run in enumerate(mine)]
+    for run in other:
+        os.makedirs(run.run_dir)
+        open(run.path("train.log"), "w").close()
+    assert figure_folders(mine, "out") == {"out": mine}
+    folders = figure_folders(mine + other, "out")
+    assert folders == {os.path.join("out", "src-tgt"): mine, os.path.join("out", "xx-yy"): other}
+    assert figure_logs(folders[os.path.join("out", "xx-yy")]) == {
+        BASE: [other[0].path("train.log"), other[1].path("train.log")],
+        SYSTEM: [other[2].path("train.log"), other[3].path("train.log")]}
 
 
 def test_copies_of_one_seed_are_no_more_evidence_than_that_seed():

@@ -100,6 +100,24 @@ def test_masked_smoothing_is_fairseqs_over_the_allowed_types(tiny_bin):
     assert label_smoothed_nll_loss(masked, target, 0.1, ignore_index=1)[0].item() > 1e8
 
 
+def test_a_forbidden_dev_target_adds_nothing_to_the_loss():
+    """A dev token outside the training targets (so masked) counts 0 in nll, as in the
+    authors' model.py, instead of the 1e9 its masked logit would give; the other tokens'
+    loss is what it is without it."""
+    torch.manual_seed(0)
+    allowed = torch.ones(10, dtype=torch.bool)
+    allowed[[0, 1, 6, 7]] = False
+    lprobs = torch.log_softmax(torch.randn(5, 10).masked_fill(~allowed, MASKED_LOGIT), -1)
+    target = torch.tensor([3, 6, 5, 1, 9])  # 6: forbidden; 1: pad
+    loss, nll = masked_label_smoothed_nll_loss(lprobs, target, 0.1, allowed, ignore_index=1)
+    kept = torch.tensor([0, 2, 4])
+    loss_kept, nll_kept = masked_label_smoothed_nll_loss(lprobs[kept], target[kept], 0.1, allowed, ignore_index=1)
+    eps_i = 0.1 / (6 - 1)
+    smooth_of_forbidden = -lprobs[1][allowed].sum()
+    assert nll.item() == pytest.approx(nll_kept.item(), rel=1e-6) and nll.item() < 100
+    assert loss.item() == pytest.approx(loss_kept.item() + eps_i * smooth_of_forbidden.item(), rel=1e-6)
+
+
 @pytest.mark.parametrize("dtype_name", list(HALF))
 @pytest.mark.parametrize("fixnorm", [False, True], ids=["plain", "fixnorm"])
 def test_trains_with_label_smoothing(tiny_bin, fixnorm, dtype_name):

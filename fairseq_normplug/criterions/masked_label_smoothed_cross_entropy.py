@@ -13,6 +13,13 @@ fairseq's loss exactly), the authors' "smoothing over the target language's type
 ``logit_mask`` types and divided by their number, eps / A with the target included; ours is
 eps / (A - 1) over the others, fairseq's convention). A model without a mask is scored
 exactly as by ``label_smoothed_cross_entropy`` (the parent's code runs).
+
+A target the mask forbids (a dev or test token that never occurs in the training targets;
+training targets never are) adds 0 to ``nll``, as in the authors' ``model.py``, where the
+log-probabilities are multiplied by the mask before the target's is gathered. Its
+log-probability is -1e9, and counting it would add about 1e9 / (number of tokens) to the
+mean loss: the 5 such tokens among the 17,763 TED az-en dev target tokens made the dev loss
+about 281,700.
 """
 from typing import Optional
 
@@ -37,6 +44,9 @@ def masked_label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, e
     if target.dim() == lprobs.dim() - 1:
         target = target.unsqueeze(-1)
     nll_loss = -lprobs.gather(dim=-1, index=target)
+    # a forbidden target counts 0, the authors' choice (module docstring); in training no
+    # target is forbidden and the values are unchanged
+    nll_loss = nll_loss.masked_fill(~allowed[target], 0.0)
     if masked_index is None:
         masked_index = torch.nonzero(~allowed).flatten()
     # zeroed, not multiplied by 0: a masked log-probability times 0 must not reach the sum

@@ -128,15 +128,23 @@ class TableResults(list):
         self.runs, self.failed = runs, failed
 
 
-def figure_logs(runs: List[Run], pairs: Sequence[str]) -> Dict[str, List[str]]:
-    """{figure label: the train.log of each of its seeds}: one label per row (per row and pair
-    when the table runs several pairs); figures draw several seeds as a band."""
+def figure_logs(runs: List[Run]) -> Dict[str, List[str]]:
+    """{figure label (the row's name): the train.log of each of its seeds}, for the runs of one
+    pair; figures draw several seeds as a band."""
     logs: Dict[str, List[str]] = {}
     for run in runs:
         if os.path.exists(run.path("train.log")):
-            label = f"{run.row.name} ({run.pair})" if len(pairs) > 1 else run.row.name
-            logs.setdefault(label, []).append(run.path("train.log"))
+            logs.setdefault(run.row.name, []).append(run.path("train.log"))
     return logs
+
+
+def figure_folders(runs: List[Run], results_dir: str) -> Dict[str, List[Run]]:
+    """{folder: its runs}: the figures of a one-pair table go into ``results_dir``, those of a
+    table with several pairs into ``results_dir/PAIR`` (one scale of BLEU per figure)."""
+    pairs = list(dict.fromkeys(run.pair for run in runs))
+    if len(pairs) == 1:
+        return {results_dir: runs}
+    return {os.path.join(results_dir, pair): [run for run in runs if run.pair == pair] for pair in pairs}
 
 
 def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[[str], None] = print,
@@ -145,9 +153,13 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
     results = result_rows(table, runs, collecting=collecting)
     os.makedirs(results_dir, exist_ok=True)
     tables.write_results(results, results_dir, title=table.title)
-    pairs = list(dict.fromkeys(run.pair for run in runs))
-    for name, outcome in figures.make_figures(figures.load_logs(figure_logs(runs, pairs)), results_dir).items():
-        echo(f"[reproduce] figure {name}: {outcome}")
+    for folder, folder_runs in figure_folders(runs, results_dir).items():
+        logs = figure_logs(folder_runs)
+        if not logs:
+            continue
+        os.makedirs(folder, exist_ok=True)
+        for name, outcome in figures.make_figures(figures.load_logs(logs), folder).items():
+            echo(f"[reproduce] figure {name}: {outcome}")
     echo(f"[reproduce] results: {os.path.join(results_dir, 'results.md')}, "
          f"{os.path.join(results_dir, 'results.csv')}")
     return results

@@ -60,6 +60,7 @@ from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
 from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table
+from fairseq_normplug.optim.lr_scheduler.common import PAPER_STOP_LR
 from fairseq_normplug.prepare.bpe import METHODS as SUBWORD_METHODS
 
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -359,7 +360,10 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     minutes_before = status.get("minutes", 0.0)
     last = checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST))
     max_update = last_flag_value(command, "--max-update")
-    over = checkpoint_safety.finished(last, int(max_update) if max_update else None)
+    # the stopping rules of this command (or the schedulers' defaults), not the checkpoint's
+    over = checkpoint_safety.finished(last, int(max_update) if max_update else None,
+                                      int(last_flag_value(command, "--stop-patience") or 0),
+                                      float(last_flag_value(command, "--stop-lr") or PAPER_STOP_LR))
     if over:
         echo(f"[{run.label}] training was over ({over}); not resumed")
         return _training_done(run, minutes_before, last.updates,
