@@ -10,7 +10,7 @@ import pytest
 
 from fairseq_normplug import checkpoint_safety
 from fairseq_normplug.experiments.configs import load_table
-from fairseq_normplug.experiments.runner import Run, last_flag_value, run_folder, stopped_by, train
+from fairseq_normplug.experiments.runner import Run, changed_flags, last_flag_value, run_folder, stopped_by, train
 
 BASELINE = "PostNorm + LayerNorm + warmup"
 #: the recipe's --stop-patience: validations in a row without a dev-BLEU gain that end a run
@@ -87,12 +87,30 @@ def test_more_patience_resumes_a_stopped_run_where_it_stopped(stalled_run):
     lines = []
     status = train(run, extra + ["--stop-patience", str(PATIENCE + 2)], echo=lines.append)
     assert any("training (resuming)" in line for line in lines)
+    changed = f"the command has changed since this run started: --stop-patience {PATIENCE} -> {PATIENCE + 2}"
+    assert any(changed in line for line in lines)
     assert status["status"] == "done" and status["updates"] == STOP + 20
     assert status["stopped_by"].endswith(f" at update 10, --stop-patience {PATIENCE + 2})")
     log = open(run.path("train.log"), encoding="utf-8").read()
     validations = [int(json.loads(line.split("| valid | ", 1)[1])["valid_num_updates"])
                    for line in log.splitlines() if "| valid | " in line]
     assert validations == list(range(10, STOP + 21, 10))
+    assert log.count(changed) == 1 and log.index(changed) > log.index(f"after update {STOP}: no gain")
+    # the recipe's own command again: the finished run is kept, and the reader told how it differs
+    lines = []
+    assert train(run, extra, echo=lines.append)["updates"] == STOP + 20
+    assert lines == [f"[{run.label}] done: skipped (trained with --stop-patience {PATIENCE + 2} -> {PATIENCE}: "
+                     f"delete {run.run_dir} to train it with this command)"]
+
+
+def test_changed_flags_name_what_differs_but_not_paths():
+    recorded = ["fairseq-train", "/old/data/bin", "--user-dir", "/old/repo/fairseq_normplug", "--stop-patience", "3",
+                "--adam-betas", "(0.9,", "0.999)", "--cpu", "--lr", "1e-3", "--lr", "2e-3"]
+    command = ["fairseq-train", "/new/data/bin", "--user-dir", "/new/repo/fairseq_normplug", "--stop-patience", "5",
+               "--adam-betas", "(0.9,", "0.999)", "--max-update=10", "--lr", "2e-3"]
+    assert changed_flags(recorded, command) == ["--stop-patience 3 -> 5", "--cpu (set) -> (none)",
+                                                "--max-update (none) -> 10"]
+    assert changed_flags(recorded, recorded) == []
 
 
 def test_stopped_by_reads_the_last_rule_from_the_log(tmp_path):

@@ -309,6 +309,35 @@ class Run:
         return command + checkpoint_selection_flags(command)
 
 
+def command_flags(command: List[str]) -> Dict[str, str]:
+    """{flag: its value(s), joined by spaces ('' for a switch)} of a fairseq-train command after
+    the program and its data folder; a flag given twice keeps its last value (argparse's rule)."""
+    flags: Dict[str, str] = {}
+    flag = None
+    for item in command[2:]:
+        if item.startswith("--"):
+            flag, _, value = item.partition("=")
+            flags[flag] = value
+        elif flag is not None:
+            flags[flag] = f"{flags[flag]} {item}".strip()
+    return flags
+
+
+def changed_flags(recorded: List[str], command: List[str]) -> List[str]:
+    """How ``command`` differs from the ``recorded`` one a run was trained with, as
+    ``--flag old -> new`` (``(none)`` for an absent flag); paths are not compared (a run folder
+    copied to another machine, or its repository moved, trains the same)."""
+    old, new = command_flags(recorded), command_flags(command)
+    changes = []
+    for flag in dict.fromkeys([*old, *new]):
+        before, after = old.get(flag), new.get(flag)
+        if before == after or (before and after and os.sep in before and os.sep in after):
+            continue
+        show = lambda value: "(none)" if value is None else (value or "(set)")  # noqa: E731
+        changes.append(f"{flag} {show(before)} -> {show(after)}")
+    return changes
+
+
 def run_folder(runs_dir: str, table: str, pair: str, row: str, seed: int = 1) -> str:
     """``RUNS_DIR/TABLE/PAIR/ROW-SLUG`` for seed 1 (the folder of a one-seed table), and
     ``RUNS_DIR/TABLE/PAIR/ROW-SLUG-seedN`` for every other seed N."""
@@ -350,13 +379,18 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     was killed in is finished (:func:`fairseq_normplug.checkpoint_safety.repair`), and a run
     whose last checkpoint already ended training is recorded as done without another update."""
     status = run.status()
+    command = run.train_command(list(extra))
+    changes = changed_flags(status["command"], command) if status.get("command") else []
     if status["status"] in ("done", "diverged"):
-        echo(f"[{run.label}] {status['status']}: skipped")
+        trained_with = (f" (trained with {'; '.join(changes)}: delete {run.run_dir} to train it with this "
+                        "command)" if changes else "")
+        echo(f"[{run.label}] {status['status']}: skipped{trained_with}")
         return status
+    if changes:
+        echo(f"[{run.label}] the command has changed since this run started: {'; '.join(changes)}")
     os.makedirs(run.path("checkpoints"), exist_ok=True)
     for action in checkpoint_safety.repair(run.path("checkpoints")):
         echo(f"[{run.label}] checkpoints: {action}")
-    command = run.train_command(list(extra))
     minutes_before = status.get("minutes", 0.0)
     last = checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST))
     max_update = last_flag_value(command, "--max-update")
@@ -382,6 +416,9 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     tail = []
     _end_last_line(run.path("train.log"))
     with open(run.path("train.log"), "a", encoding="utf-8", buffering=1) as log:  # line by line: kept on a kill
+        if changes:  # the log says so too, where the resumed training starts
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | fairseq_normplug.experiments.runner | "
+                      f"the command has changed since this run started: {'; '.join(changes)}\n")
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, **run.env(), "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
