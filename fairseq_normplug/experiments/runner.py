@@ -327,14 +327,16 @@ def changed_flags(recorded: List[str], command: List[str]) -> List[str]:
     """How ``command`` differs from the ``recorded`` one a run was trained with, as
     ``--flag old -> new`` (``(none)`` for an absent flag); paths are not compared (a run folder
     copied to another machine, or its repository moved, trains the same)."""
+    def shown(value: Optional[str]) -> str:
+        return "(none)" if value is None else (value or "(set)")
+
     old, new = command_flags(recorded), command_flags(command)
     changes = []
     for flag in dict.fromkeys([*old, *new]):
         before, after = old.get(flag), new.get(flag)
         if before == after or (before and after and os.sep in before and os.sep in after):
             continue
-        show = lambda value: "(none)" if value is None else (value or "(set)")  # noqa: E731
-        changes.append(f"{flag} {show(before)} -> {show(after)}")
+        changes.append(f"{flag} {shown(before)} -> {shown(after)}")
     return changes
 
 
