@@ -215,3 +215,37 @@ def test_bootstrap_over_seeds_and_in_other_metrics():
     with pytest.raises(NormplugError, match="unknown metric 'chrf'.*tokenized_bleu, compound_split_bleu"):
         bleu.paired_bootstrap(base, system, refs, metric="chrf")
     assert set(bleu.METRIC_SCORERS) == set(tables.CELL_METRICS)
+
+
+def test_the_seeds_test_counts_the_splits_of_the_pooled_scores():
+    """Exact permutation test over seeds: p is the share of the C(n+m, n) splits of the pooled
+    per-seed scores whose |mean difference| is at least the observed one."""
+    assert bleu.seeds_permutation_test([1, 2, 3], [4, 5, 6]) == pytest.approx(2 / 20)  # the smallest with 3 vs 3
+    assert bleu.seeds_permutation_test([4, 5, 6], [1, 2, 3]) == pytest.approx(2 / 20)  # two-sided
+    assert bleu.seeds_permutation_test([1, 2, 3, 4], [5, 6, 7, 8]) == pytest.approx(2 / 70)
+    # docs/results.md, de-en: the baseline's seeds against PreNorm + FixNorm + ScaleNorm + NoWarmup's
+    assert bleu.seeds_permutation_test([36.11, 35.11, 37.95], [37.86, 38.53, 37.23]) == pytest.approx(6 / 20)
+    assert bleu.seeds_permutation_test([1, 2], [2, 1]) == 1.0
+    assert bleu.seeds_permutation_test([30.0], [31.0, 32.0]) is None  # one seed has no spread to test against
+    assert bleu.seeds_permutation_test([30.0, 31.0], []) is None
+
+
+def test_result_rows_carry_the_seeds_test_into_the_csv_and_the_runs_list(demo_runs, tmp_path):
+    table, runs = demo_runs
+    # BLEU 37.5 and 37.5 (baseline) against 75 and 5: no other split of the four has closer means
+    rows = result_rows(table, list(runs.values()))
+    assert [r["seeds_p_value"] for r in rows] == [None, None, 1.0, 1.0]
+    # against 75 and 75 (a third seed as good as seed 1): 2 of the 6 splits are as far apart
+    seed3 = Run(table=table, row=table.row(SYSTEM), pair="src-tgt", data_dir=runs[(BASE, 1)].data_dir, seed=3,
+                run_dir=run_folder(str(tmp_path / "runs"), "demo", "src-tgt", SYSTEM, 3))
+    write_run(seed3, 30)
+    rows = result_rows(table, [runs[(BASE, 1)], runs[(BASE, 2)], runs[(SYSTEM, 1)], seed3])
+    system = [r for r in rows if r["row"] == SYSTEM]
+    assert [r["tokenized_bleu"] for r in rows] == pytest.approx([37.5, 37.5, 75.0, 75.0])
+    assert [r["seeds_p_value"] for r in system] == pytest.approx([2 / 6, 2 / 6])
+    assert all(r["seeds_p_value"] is None for r in result_rows(table, [runs[(BASE, 1)], runs[(SYSTEM, 1)]]))
+    csv_path, md_path = tables.write_results(rows, str(tmp_path / "out"))
+    assert [r["seeds_p_value"] for r in tables.read_results_csv(csv_path)] == pytest.approx([None, None, 1 / 3, 1 / 3])
+    md = open(md_path, encoding="utf-8").read()
+    assert "| hyp/ref | p | p (seeds) |" in md
+    assert md.count(f"| {system[0]['p_value']:.3g} | 0.333 |") == 2

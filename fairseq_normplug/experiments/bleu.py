@@ -12,7 +12,9 @@
 * :func:`paired_bootstrap`: p-value of a system against a baseline (sacreBLEU's paired
   bootstrap resampling, Koehn 2004) in any metric of :data:`METRIC_SCORERS`;
   :func:`paired_bootstrap_seeds` the same over the concatenated test sets of several seeds
-  (source sentences resampled with all their seeds' translations).
+  (source sentences resampled with all their seeds' translations);
+  :func:`seeds_permutation_test` whether the rows' per-seed scores differ beyond the spread
+  between training seeds.
 * :func:`read_fairseq_generate`: hypotheses and references of a ``fairseq-generate`` output.
 * :func:`score_translation`: all of the above for one system, as a dict (also the CLI)::
 
@@ -23,6 +25,7 @@ Inputs are lists of lines (one sentence each); :func:`read_lines` reads a file.
 """
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -288,6 +291,30 @@ def paired_bootstrap_seeds(baseline_by_seed: Sequence[Sequence[str]], system_by_
                            system_mean=float(system_mean), system_ci=float(system_ci), n_samples=n_samples,
                            seed=seed, signature=str(signature) + (
                                f"|training_seeds:{len(system_by_seed)}" if len(system_by_seed) > 1 else ""))
+
+
+def seeds_permutation_test(baseline_scores: Sequence[float], system_scores: Sequence[float]) -> Optional[float]:
+    """Two-sided exact permutation test (Fisher's randomization test) of the difference between
+    two rows' mean per-seed scores: the question "would other training seeds agree", which the
+    bootstrap over test sentences does not ask. Under the null hypothesis every split of the
+    pooled scores into groups of the two sizes is equally likely; p is the share of the
+    C(n+m, n) splits whose |mean difference| is at least the observed one (1e-9 tolerance for
+    float ties). Unpaired: seed k of one row has nothing in common with seed k of the other.
+    None when either row has fewer than 2 scores. The smallest p it can give is 2 / C(n+m, n):
+    0.1 with 3 seeds against 3, 0.029 with 4 against 4."""
+    baseline, system = [float(x) for x in baseline_scores], [float(x) for x in system_scores]
+    if len(baseline) < 2 or len(system) < 2:
+        return None
+    pooled, n = baseline + system, len(system)
+    total = sum(pooled)
+    observed = abs(sum(system) / n - sum(baseline) / len(baseline))
+    splits = extreme = 0
+    for chosen in itertools.combinations(range(len(pooled)), n):
+        chosen_sum = sum(pooled[i] for i in chosen)
+        difference = abs(chosen_sum / n - (total - chosen_sum) / len(baseline))
+        splits += 1
+        extreme += difference >= observed - 1e-9
+    return extreme / splits
 
 
 def _missing_ids(ids, expected: int) -> List[int]:

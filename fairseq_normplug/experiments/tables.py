@@ -18,6 +18,9 @@ A result row is a dict with the keys of :data:`FIELDS`:
   tokenized BLEU; Table 6: compound-split BLEU);
 * ``p_value``: the cell's paired bootstrap p-value (in the table's metric, over the seeds both
   rows finished) against the row's baseline row, the same on each seed's line; None for a baseline;
+* ``seeds_p_value``: the cell's p-value over training seeds against the same baseline (exact
+  permutation test of the per-seed scores in the table's metric); None unless both cells have
+  2 or more finished seeds;
 * ``length_ratio``: test hypotheses' token length over the references' (``sys_len / ref_len``);
   outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
@@ -47,10 +50,10 @@ PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not started (--collect)
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
-          "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by")
+          "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by", "seeds_p_value")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
 FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
-                "compound_split_bleu", "multi_bleu_detok")
+                "compound_split_bleu", "multi_bleu_detok", "seeds_p_value")
 INT_FIELDS = ("updates", "selected_update", "seed")
 DEFAULT_SEED = 1
 #: every metric a published number or a table's cells can be in: {name: what it is}
@@ -96,7 +99,10 @@ LEGEND = (
     "\u2020 p < 0.05, \u2021 p < 0.01 against the table's baseline row (paired bootstrap "
     "resampling, 1000 resamples, in the table's metric, over the concatenated test sets of the "
     "seeds both rows finished, each source sentence resampled with all its seeds' translations; "
-    "docs/evaluation.md). *diverged*, *failed*, *running*: the run's status, no score.")
+    "docs/evaluation.md). That test measures test-set sampling, not the spread between training "
+    "seeds: with several seeds the runs list adds p (seeds), an exact permutation test of the two "
+    "rows' per-seed scores (its smallest value is 0.1 with 3 seeds against 3). "
+    "*diverged*, *failed*, *running*: the run's status, no score.")
 
 
 @dataclass(frozen=True)
@@ -499,6 +505,10 @@ def _extra_metrics(rows: Sequence[dict], paper: dict) -> List[str]:
     return [metric for metric in METRICS if metric in wanted and metric not in ("tokenized_bleu", "sacrebleu")]
 
 
+def _p(p_value: Optional[float]) -> str:
+    return "" if p_value is None else f"{p_value:.3g}"
+
+
 def _runs_section(rows: List[dict], paper: dict) -> List[str]:
     signatures = list(dict.fromkeys(r["sacrebleu_signature"] for r in rows if r["sacrebleu_signature"]))
     seeds = _several_seeds(rows)
@@ -506,12 +516,13 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
     intro = ("Selected: the update of the tested checkpoint (best dev BLEU); dev BLEU and test BLEU "
              "are both tokenized BLEU of that checkpoint with the same decoder.")
     if seeds:
-        intro += " One line per seed; p is the cell's, over all its seeds."
+        intro += (" One line per seed; p (bootstrap over test sentences) and p (seeds) are the cell's, "
+                  "over all its seeds.")
     stops = any(r["stopped_by"] for r in rows)  # the rule that ended each training, when known
     head = ["table", "row", "config", "pair"] + (["seed"] if seeds else []) + [
         "status", "updates"] + (["stopped by"] if stops else []) + [
         "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU"] + [
-        METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"]
+        METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"] + (["p (seeds)"] if seeds else [])
     align = ["---"] * (5 if seeds else 4) + ["---", "---:"] + (["---"] if stops else []) + \
         ["---:"] * (len(head) - (7 if seeds else 6) - stops)
     lines = ["## Runs", "", intro, "", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
@@ -524,7 +535,7 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
             r["status"], "" if r["updates"] is None else r["updates"]] + ([r["stopped_by"] or ""] if stops else []) + [
             _num(r["minutes"], 1), "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
             bleu, sacre] + [_num(r[m]) for m in extra] + [
-            _num(r["length_ratio"], 3), "" if r["p_value"] is None else f"{r['p_value']:.3g}"]
+            _num(r["length_ratio"], 3), _p(r["p_value"])] + ([_p(r["seeds_p_value"])] if seeds else [])
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")
     if len(signatures) == 1:
