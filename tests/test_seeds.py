@@ -228,6 +228,11 @@ def test_the_seeds_test_counts_the_splits_of_the_pooled_scores():
     assert bleu.seeds_permutation_test([1, 2], [2, 1]) == 1.0
     assert bleu.seeds_permutation_test([30.0], [31.0, 32.0]) is None  # one seed has no spread to test against
     assert bleu.seeds_permutation_test([30.0, 31.0], []) is None
+    # 12 seeds a row: C(24, 12) = 2.7 million splits, sampled (reproducibly) instead of listed
+    low, high = [30.0 + i / 10 for i in range(12)], [32.0 + i / 10 for i in range(12)]
+    sampled = bleu.seeds_permutation_test(low, high)
+    assert sampled == bleu.seeds_permutation_test(low, high) == pytest.approx(1 / (1 + bleu.EXACT_PERMUTATION_LIMIT))
+    assert 0.9 < bleu.seeds_permutation_test(low, [x + 0.01 for x in low]) < 1.0  # no difference to speak of
 
 
 def test_result_rows_carry_the_seeds_test_into_the_csv_and_the_runs_list(demo_runs, tmp_path):

@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -293,7 +294,12 @@ def paired_bootstrap_seeds(baseline_by_seed: Sequence[Sequence[str]], system_by_
                                f"|training_seeds:{len(system_by_seed)}" if len(system_by_seed) > 1 else ""))
 
 
-def seeds_permutation_test(baseline_scores: Sequence[float], system_scores: Sequence[float]) -> Optional[float]:
+#: above this many splits, :func:`seeds_permutation_test` samples them (more than 10 seeds a row)
+EXACT_PERMUTATION_LIMIT = 200_000
+
+
+def seeds_permutation_test(baseline_scores: Sequence[float], system_scores: Sequence[float],
+                           seed: int = 12345) -> Optional[float]:
     """Two-sided exact permutation test (Fisher's randomization test) of the difference between
     two rows' mean per-seed scores: the question "would other training seeds agree", which the
     bootstrap over test sentences does not ask. Under the null hypothesis every split of the
@@ -301,20 +307,24 @@ def seeds_permutation_test(baseline_scores: Sequence[float], system_scores: Sequ
     C(n+m, n) splits whose |mean difference| is at least the observed one (1e-9 tolerance for
     float ties). Unpaired: seed k of one row has nothing in common with seed k of the other.
     None when either row has fewer than 2 scores. The smallest p it can give is 2 / C(n+m, n):
-    0.1 with 3 seeds against 3, 0.029 with 4 against 4."""
+    0.1 with 3 seeds against 3, 0.029 with 4 against 4. Beyond :data:`EXACT_PERMUTATION_LIMIT`
+    splits it draws that many at random (RNG ``seed``) and returns (1 + extreme) / (1 + draws)."""
     baseline, system = [float(x) for x in baseline_scores], [float(x) for x in system_scores]
     if len(baseline) < 2 or len(system) < 2:
         return None
-    pooled, n = baseline + system, len(system)
-    total = sum(pooled)
+    pooled, n = np.array(baseline + system), len(system)
+    total = pooled.sum()
     observed = abs(sum(system) / n - sum(baseline) / len(baseline))
-    splits = extreme = 0
-    for chosen in itertools.combinations(range(len(pooled)), n):
-        chosen_sum = sum(pooled[i] for i in chosen)
-        difference = abs(chosen_sum / n - (total - chosen_sum) / len(baseline))
-        splits += 1
-        extreme += difference >= observed - 1e-9
-    return extreme / splits
+    if math.comb(len(pooled), n) <= EXACT_PERMUTATION_LIMIT:
+        chosen = np.array(list(itertools.combinations(range(len(pooled)), n)))
+        extra = 0
+    else:
+        rng = np.random.default_rng(seed)
+        chosen = np.argsort(rng.random((EXACT_PERMUTATION_LIMIT, len(pooled))), axis=1)[:, :n]
+        extra = 1
+    chosen_sums = pooled[chosen].sum(axis=1)
+    differences = np.abs(chosen_sums / n - (total - chosen_sums) / len(baseline))
+    return float((extra + np.count_nonzero(differences >= observed - 1e-9)) / (extra + len(chosen)))
 
 
 def _missing_ids(ids, expected: int) -> List[int]:
