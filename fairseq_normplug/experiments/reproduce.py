@@ -83,20 +83,10 @@ def cell_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "
                                        refs, metric=metric).p_value
 
 
-def cell_seeds_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "tokenized_bleu") -> Optional[float]:
-    """The p-value of one cell ({seed: run}) against its baseline row's cell over training
-    seeds: exact permutation test of their per-seed ``metric`` scores, every seed that finished
-    in each (bleu.seeds_permutation_test). None unless both have 2 or more."""
-    def scores(cell):
-        return [s[metric] for s in (read_json(run.path("scores.json")) for run in cell.values())
-                if s and s.get(metric) is not None]
-    return bleu.seeds_permutation_test(scores(baseline), scores(runs))
-
-
 def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, collecting: bool = False) -> List[dict]:
     """One results-table row per run (per seed), with its cell's p-values against the baseline
-    row on the same pair (:func:`cell_p_value` over test sentences, :func:`cell_seeds_p_value`
-    over seeds, in the table's cell metric of ``paper``, default configs/paper_results.json),
+    row on the same pair (:func:`cell_p_value` over test sentences; over training seeds,
+    bleu.seeds_permutation_test of the cells' per-seed scores; in the table's cell metric of ``paper``, default configs/paper_results.json),
     the same on every seed's row. ``collecting``: the table is still running, so a run not
     started yet is ``pending``, not ``failed``."""
     status_names = {**RESULT_STATUS, **({"pending": "pending"} if collecting else {})}
@@ -104,12 +94,11 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
     cells: Dict[tuple, Dict[int, Run]] = {}
     for run in runs:
         cells.setdefault((run.pair, run.row.name), {})[run.seed] = run
-    p_values, seeds_p_values = {}, {}
+    p_values = {}
     for (pair, row_name), cell in cells.items():
         baseline_name = next(iter(cell.values())).row.baseline
         baseline = cells.get((pair, baseline_name)) if baseline_name else None
         p_values[(pair, row_name)] = cell_p_value(cell, baseline, metric) if baseline else None
-        seeds_p_values[(pair, row_name)] = cell_seeds_p_value(cell, baseline, metric) if baseline else None
     out = []
     for run in runs:
         status = run.status()
@@ -122,13 +111,25 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "compound_split_bleu": scores.get("compound_split_bleu"),
             "multi_bleu_detok": scores.get("multi_bleu_detok"),
             "p_value": p_values[(run.pair, run.row.name)] if scores else None,
-            "seeds_p_value": seeds_p_values[(run.pair, run.row.name)] if scores else None,
+            "seeds_p_value": None,
             "length_ratio": bleu.length_ratio(scores),
             "status": status_names.get(status["status"], status["status"]),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
             "stopped_by": status.get("stopped_by"),
             "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
         })
+    seed_scores: Dict[tuple, List[float]] = {}
+    for row in out:
+        if row[metric] is not None:
+            seed_scores.setdefault((row["pair"], row["row"]), []).append(row[metric])
+    seeds_p_values: Dict[tuple, Optional[float]] = {}
+    for run, row in zip(runs, out):
+        cell = (run.pair, run.row.name)
+        if row[metric] is not None and run.row.baseline:
+            if cell not in seeds_p_values:
+                seeds_p_values[cell] = bleu.seeds_permutation_test(
+                    seed_scores.get((run.pair, run.row.baseline), []), seed_scores[cell])
+            row["seeds_p_value"] = seeds_p_values[cell]
     return out
 
 
