@@ -23,6 +23,13 @@ from fairseq_normplug import models  # noqa: E402,F401  (registers the model)
 from fairseq_normplug import optim  # noqa: E402,F401  (registers the LR schedulers)
 from fairseq_normplug import tasks  # noqa: E402,F401  (registers the translation_normplug task)
 from fairseq_normplug import criterions  # noqa: E402,F401  (registers masked_label_smoothed_cross_entropy)
+from fairseq_normplug.modules.norm_base import FormulaNorm  # noqa: E402
+from fairseq_normplug.modules.norm_registry import register_norm  # noqa: E402
+from fairseq_normplug.extensions import load_startup_extensions  # noqa: E402
 
-__all__ = ["NormplugError"]
+# a researcher's own norms and placements (docs/extending.md): installed packages' entry points,
+# $NORMPLUG_MODULES and --normplug-modules, before fairseq parses the model's arguments
+load_startup_extensions()
+
+__all__ = ["NormplugError", "FormulaNorm", "register_norm"]
 __version__ = "0.1.0"

@@ -329,7 +329,7 @@ BAD_INPUT = [
     (["--dyt-no-alpha"], "--dyt-no-alpha needs --norm-type dyt"),
     (["--dyt", "--dyt-attn-alpha-init", "auto", "--fp16"],
      "--dyt-attn-alpha-init auto cannot be combined with --fp16 (its fp32 master weights"),
-    (["--scalenorm-fixed-g"], "--scalenorm-fixed-g needs --norm-type scalenorm, got --norm-type layernorm"),
+    (["--scalenorm-fixed-g"], "--scalenorm-fixed-g needs --norm-type scalenorm (or --scalenorm), got --norm-type layernorm"),
     (["--smallinit", "--weight-init", "xavier"], "--smallinit contradicts --weight-init xavier"),
     (["--norm-stats-interval", "-1"], "--norm-stats-interval must be >= 0, got -1"),
 ]

@@ -10,7 +10,8 @@ from fairseq.modules import LayerNorm
 from fairseq_normplug.modules.derf import Derf
 from fairseq_normplug.modules.dyisru import DyISRU
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
-from fairseq_normplug.modules.norm_registry import AUTO, ATTENTION, FFN, NORM_TYPES, NormSpec, build_norm
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.modules.norm_registry import AUTO, ATTENTION, FFN, NORM_TYPES, NormSlot, build_norm, norm_args
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from fairseq_normplug.modules.scale_norm import ScaleNorm
 from model_helpers import randomized
@@ -94,7 +95,7 @@ def test_init_from_input_moments(make, name, expected):
 
 
 def test_identity_returns_its_input():
-    norm = build_norm(NormSpec(norm_type="identity"), D, FFN)
+    norm = build_norm(norm_args("identity"), D)
     x = torch.randn(2, 3, D, requires_grad=True)
     assert norm(x) is x and norm.reference(x) is x
     assert list(norm.parameters()) == []
@@ -129,28 +130,31 @@ def test_gradcheck_float64(make):
                                              ("dyt", 2 * D + 1), ("derf", 2 * D + 2),
                                              ("dyisru", D + 1), ("identity", 0)])
 def test_parameter_counts(norm_type, count):
-    norm = build_norm(NormSpec(norm_type=norm_type), D, FFN)
+    norm = build_norm(norm_args(norm_type), D)
     assert sum(p.numel() for p in norm.parameters()) == count
 
 
 def test_registry_types_and_roles():
     assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "dyisru", "identity"}
-    assert isinstance(build_norm(NormSpec(), D, FFN), type(LayerNorm(D)))
-    spec = NormSpec(norm_type="dyt", dyt_alpha_init=0.2, dyt_attn_alpha_init=0.8, dyt_freeze_alpha=True)
-    assert build_norm(spec, D, ATTENTION).alpha.item() == pytest.approx(0.8)
-    ffn = build_norm(spec, D, FFN)
+    assert isinstance(build_norm(norm_args(), D), type(LayerNorm(D)))
+    attention, ffn_slot = NormSlot(ATTENTION), NormSlot(FFN)
+    dyt = norm_args("dyt", dyt_alpha_init=0.2, dyt_attn_alpha_init=0.8, dyt_freeze_alpha=True)
+    assert build_norm(dyt, D, attention).alpha.item() == pytest.approx(0.8)
+    ffn = build_norm(dyt, D, ffn_slot)
     assert ffn.alpha.item() == pytest.approx(0.2) and not ffn.alpha.requires_grad
-    fixed = NormSpec(norm_type="scalenorm", scalenorm_fixed_g=True)
-    assert not build_norm(fixed, D, FFN).g.requires_grad
-    assert build_norm(fixed, D, FFN, feeds_output=True).g.requires_grad
+    fixed = norm_args("scalenorm", scalenorm_fixed_g=True)
+    assert not build_norm(fixed, D, ffn_slot).g.requires_grad
+    assert build_norm(fixed, D, NormSlot(FFN, feeds_output=True)).g.requires_grad
     # auto: built with the default value, marked for the first-batch init
-    auto = NormSpec(norm_type="dyt", dyt_alpha_init=AUTO, dyt_attn_alpha_init=0.8)
-    assert build_norm(auto, D, FFN).auto_init and build_norm(auto, D, FFN).alpha.item() == 0.5
-    assert not build_norm(auto, D, ATTENTION).auto_init
-    assert build_norm(NormSpec(norm_type="derf", derf_alpha_init=0.3), D, FFN).alpha.item() == pytest.approx(0.3)
-    assert build_norm(NormSpec(norm_type="dyisru", dyisru_beta_init=AUTO), D, FFN).auto_init
-    with pytest.raises(ValueError, match="unknown norm type 'batchnorm'; choose from layernorm"):
-        build_norm(NormSpec(norm_type="batchnorm"), D, FFN)
+    auto = norm_args("dyt", dyt_alpha_init=AUTO, dyt_attn_alpha_init=0.8)
+    assert build_norm(auto, D, ffn_slot).auto_init and build_norm(auto, D, ffn_slot).alpha.item() == 0.5
+    assert not build_norm(auto, D, attention).auto_init
+    assert build_norm(norm_args("derf", derf_alpha_init=0.3), D).alpha.item() == pytest.approx(0.3)
+    assert build_norm(norm_args("dyisru", dyisru_beta_init=AUTO), D).auto_init
+    with pytest.raises(NormplugError, match="unknown --norm-type 'batchnorm'; choose from layernorm"):
+        norm_args("batchnorm")
+    with pytest.raises(NormplugError, match="^--dyt-squash needs --norm-type dyt \\(or --dyt\\), got --norm-type rmsnorm$"):
+        norm_args("rmsnorm", dyt_squash="hardtanh")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -22,7 +22,7 @@ from fairseq_normplug.modules import fused
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.layer_norm_1p import LayerNorm1p
 from fairseq_normplug.modules.norm_base import effective_gain
-from fairseq_normplug.modules.norm_registry import FFN, NormSpec, build_norm
+from fairseq_normplug.modules.norm_registry import NORM_TYPES, build_norm, norm_args
 from fairseq_normplug.modules.norm_stats import norm_scale_stats
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from model_helpers import build, parse_args, toy_batch
@@ -37,7 +37,9 @@ EPS = 1e-5
 
 def make(norm_type, dim, zero_centered):
     """One norm of ``norm_type`` built as the model builds it (``build_norm``)."""
-    return build_norm(NormSpec(norm_type=norm_type, zero_centered_gamma=zero_centered), dim, FFN)
+    args = norm_args(norm_type)  # resolved without the flag, so build_norm's own refusal is tested too
+    args.zero_centered_gamma = zero_centered
+    return build_norm(args, dim)
 
 
 def set_params(module, seed=0):
@@ -209,10 +211,10 @@ def test_refused_norm_types_give_one_line_errors_before_data_is_read(tmp_path, n
 
 
 def test_flag_off_resolves_to_a_stock_spec(tmp_path):
-    settings = resolve_normplug_args(parse_args(str(tmp_path / "none"), TINY, "--rmsnorm"))
-    assert settings.norm.zero_centered_gamma is False
-    settings = resolve_normplug_args(parse_args(str(tmp_path / "none"), TINY, "--zero-centered-gamma"))
-    assert settings.norm == NormSpec(zero_centered_gamma=True)
+    args = parse_args(str(tmp_path / "none"), TINY, "--rmsnorm")
+    assert resolve_normplug_args(args).norm is NORM_TYPES["rmsnorm"] and args.zero_centered_gamma is False
+    args = parse_args(str(tmp_path / "none"), TINY, "--zero-centered-gamma")
+    assert resolve_normplug_args(args).norm is NORM_TYPES["layernorm"] and args.zero_centered_gamma is True
 
 
 # ---- readers of the gain ---------------------------------------------------------------

@@ -42,14 +42,11 @@ from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.experiments.figures import save_figure  # noqa: E402
 from fairseq_normplug.experiments.tables import write_text_atomic  # noqa: E402
 from fairseq_normplug.modules.norm_base import effective_gain  # noqa: E402
+from fairseq_normplug.modules.norm_registry import norm_type_of  # noqa: E402
 
 NORM_CSV_FIELDS = ("site", "norm_type", "in_std", "inverse_std", "scale", "scale_kind", "gain",
                    "saturated_fraction", "tokens")
 ATTENTION_CSV_FIELDS = ("attention", "stack", "layer", "kind", "max_logit", "entropy", "queries")
-NORM_TYPE_NAMES = {"LayerNorm": "layernorm", "FusedLayerNorm": "layernorm", "LayerNorm1p": "layernorm",
-                   "ScaleNorm": "scalenorm",
-                   "RMSNorm": "rmsnorm", "DynamicTanh": "dyt", "Derf": "derf", "DyISRU": "dyisru",
-                   "IdentityNorm": "identity"}
 POINTS_PER_PANEL = 4000
 BATCH_TOKENS = 1000
 
@@ -63,7 +60,7 @@ def equivalent_scale(norm, x: torch.Tensor):
     over tokens, the quantity the DyT paper compares with 1/std of the input (section 6)."""
     eps = float(getattr(norm, "eps", 1e-5))
     kind = type(norm).__name__
-    if NORM_TYPE_NAMES.get(kind) == "layernorm":
+    if norm_type_of(norm) == "layernorm":
         return float((x.var(dim=-1, unbiased=False) + eps).rsqrt().mean()), "mean 1/std per token"
     if kind == "RMSNorm":
         return float((x.pow(2).mean(dim=-1) + eps).rsqrt().mean()), "mean 1/rms per token"
@@ -80,7 +77,7 @@ def site_statistics(name: str, norm, x: torch.Tensor) -> dict:
     in_std = float(x.std())
     weight = effective_gain(norm)  # 1 + gamma with --zero-centered-gamma
     saturated = norm.saturated_fraction(x) if hasattr(norm, "saturated_fraction") else None
-    return {"site": name, "norm_type": NORM_TYPE_NAMES.get(type(norm).__name__, type(norm).__name__.lower()),
+    return {"site": name, "norm_type": norm_type_of(norm),
             "in_std": in_std, "inverse_std": 1.0 / in_std if in_std else math.nan, "scale": scale,
             "scale_kind": kind,
             "gain": float(weight.detach().abs().mean()) if isinstance(weight, torch.Tensor) else None,

@@ -14,7 +14,7 @@ from typing import Dict, Iterator, Tuple
 
 from torch import nn
 
-from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL, NormSpec, build_norm
+from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL, NormSlot, build_norm
 
 LAYER_NORM_SLOTS = (
     ("self_attn_layer_norm", ATTENTION, "attn"),
@@ -62,15 +62,16 @@ def output_norm(model) -> nn.Module:
     return decoder.layers[-1].final_layer_norm
 
 
-def install_norms(model, spec: NormSpec) -> None:
-    """Replace every norm of ``model`` by one of type ``spec.norm_type`` (no-op for layernorm)."""
-    if spec.norm_type == "layernorm" and not spec.zero_centered_gamma:  # else LayerNorm1p
+def install_norms(model, args) -> None:
+    """Replace every norm of ``model`` by one of the registered type ``args.norm_type``
+    (``modules/norm_registry.py``; no-op for fairseq's own layernorm, which is built already)."""
+    if args.norm_type == "layernorm" and not args.zero_centered_gamma:  # else LayerNorm1p
         return
     feeding_output = output_norm(model)
-    for owner, attr, role, _ in list(norm_slots(model)):
+    for owner, attr, role, name in list(norm_slots(model)):
         old = getattr(owner, attr)
         dim = old.normalized_shape[-1]
-        setattr(owner, attr, build_norm(spec, dim, role, feeds_output=old is feeding_output))
+        setattr(owner, attr, build_norm(args, dim, NormSlot(role, old is feeding_output, name)))
 
 
 def named_norms(model) -> Dict[str, nn.Module]:

@@ -89,7 +89,7 @@ class TransformerNormplugModel(TransformerModel):
     """Transformer with pluggable residual placement, norm type, FixNorm and init.
 
     Flags: ``--norm-placement`` (shorthands ``--prenorm``/``--postnorm``; ``--mix-ln-ratio``,
-    ``--layernorm-scaling``), ``--norm-type`` (one of ``NORM_TYPES``, shorthands
+    ``--layernorm-scaling``), ``--norm-type`` (a registered norm type, shorthands
     ``--scalenorm``, ``--rmsnorm``, ``--dyt``), ``--fixnorm``, ``--smallinit`` /
     ``--weight-init``, the authors' output layer ``--target-vocab-mask`` and ``--output-bias``,
     and the later designs ``--qknorm``, ``--residual-scale``, ``--embed-scale``
@@ -115,7 +115,7 @@ class TransformerNormplugModel(TransformerModel):
         model = super().build_model(args, task)
         install_placement(model, settings.placement)  # --norm-placement; post/pre: as built
         install_normformer(model, settings.placement)  # --normformer: NormFormer's norms and head scales
-        install_norms(model, settings.norm)
+        install_norms(model, args)
         install_layernorm_scaling(model, settings.placement.layernorm_scaling)
         apply_model_init(model, settings.weight_init)
         apply_placement_init(model, settings.placement)  # b2t: the authors' rescaled init

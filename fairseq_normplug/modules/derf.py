@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std
+from fairseq_normplug.modules.norm_registry import check_scale_inits, register_norm, scale_init, scale_init_value
 
 DERF_DEFAULT_ALPHA = 0.5
 
 
+@register_norm("derf", per_channel_gain=True)
 class Derf(FormulaNorm):
     """Derf: learnable scalars ``alpha`` (init ``alpha_init``) and ``shift`` (s, init 0), a
     per-channel gain ``weight`` (gamma, init 1) and ``bias`` (beta, init 0).
@@ -23,6 +25,23 @@ class Derf(FormulaNorm):
     ``zero_centered_gamma=True``: ``weight`` holds gamma (init 0), the gain is 1 + gamma."""
 
     auto_init_parameter = "alpha"
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument(
+            "--derf-alpha-init", type=scale_init_value, metavar="A|auto",
+            help=f"Derf alpha initial value (default {DERF_DEFAULT_ALPHA}, the Derf authors' code); "
+                 "auto: 1/std of each norm's input on the first training batch; the shift s starts at 0")
+
+    @classmethod
+    def check_args(cls, args):
+        check_scale_inits(args, ("derf_alpha_init",))
+
+    @classmethod
+    def build(cls, dim, args, slot):
+        return scale_init(DERF_DEFAULT_ALPHA if args.derf_alpha_init is None else args.derf_alpha_init,
+                          lambda a: cls(dim, alpha_init=a, zero_centered_gamma=args.zero_centered_gamma),
+                          DERF_DEFAULT_ALPHA)
 
     def __init__(self, dim: int, alpha_init: float = DERF_DEFAULT_ALPHA, shift_init: float = 0.0,
                  zero_centered_gamma: bool = False):

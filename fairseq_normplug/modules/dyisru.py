@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules.norm_base import FormulaNorm
+from fairseq_normplug.modules.norm_registry import check_scale_inits, register_norm, scale_init, scale_init_value
 
 
 def default_beta(dim: int) -> float:
@@ -30,12 +31,31 @@ def default_beta(dim: int) -> float:
     return float(max(dim - 1, 1))
 
 
+@register_norm("dyisru", per_channel_gain=True)
 class DyISRU(FormulaNorm):
     """DyISRU: a learnable scalar ``beta`` (init ``beta_init``, default C - 1) and a
     per-channel gain ``weight`` (gamma, init 1; or init 0 and gain 1 + gamma with
     ``zero_centered_gamma=True``)."""
 
     auto_init_parameter = "beta"
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument(
+            "--dyisru-beta-init", type=scale_init_value, metavar="B|auto",
+            help="DyISRU beta initial value (default d-1: RMSNorm's value for unit-variance input); "
+                 "auto: (d-1)*mean(x^2) of each norm's input on the first training batch")
+
+    @classmethod
+    def check_args(cls, args):
+        check_scale_inits(args, ("dyisru_beta_init",))
+
+    @classmethod
+    def build(cls, dim, args, slot):
+        """``--dyisru-beta-init`` (default C - 1), ``--norm-eps``, ``--zero-centered-gamma``."""
+        return scale_init(args.dyisru_beta_init,
+                          lambda b: cls(dim, beta_init=b, eps=args.norm_eps, zero_centered_gamma=args.zero_centered_gamma),
+                          None)
 
     def __init__(self, dim: int, beta_init: float = None, eps: float = 1e-5,
                  zero_centered_gamma: bool = False):

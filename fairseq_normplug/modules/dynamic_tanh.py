@@ -8,7 +8,13 @@ from torch import nn
 
 from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std, zero_centered_repr
+from fairseq_normplug.modules.norm_registry import (ATTENTION, AUTO, check_scale_inits, register_norm, scale_init,
+                                                    scale_init_value)
+
+#: the paper's default alpha0 (section 7, "alpha0 = 0.5 for non-LLM models")
+DYT_DEFAULT_ALPHA = 0.5
 
 #: |alpha x| above this is the flat part of tanh (tanh(2) = 0.96): the DyT paper's
 #: extreme inputs it squashes (sections 3-4)
@@ -102,6 +108,7 @@ def dynamic_tanh(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor,
         rows(x), alpha, weight, bias, squash).view(x.shape)
 
 
+@register_norm("dyt", shorthand=True, per_channel_gain=True)
 class DynamicTanh(FormulaNorm):
     """DyT: one learnable scalar ``alpha`` (init ``alpha_init``, default 0.5), a per-channel
     gain ``weight`` (gamma, init 1) and shift ``bias`` (beta, init 0).
@@ -118,11 +125,57 @@ class DynamicTanh(FormulaNorm):
     """
 
     auto_init_parameter = "alpha"
+    #: its scale-init flags (a number or ``auto``)
+    scale_init_flags = ("dyt_alpha_init", "dyt_attn_alpha_init")
+
+    @staticmethod
+    def add_args(parser):
+        add = parser.add_argument
+        add("--dyt-alpha-init", type=scale_init_value, metavar="A|auto",
+            help=f"DyT alpha initial value (default {DYT_DEFAULT_ALPHA}); auto: 1/std of each norm's "
+                 "input on the first training batch (all ranks), logged")
+        add("--dyt-attn-alpha-init", type=scale_init_value, metavar="A|auto",
+            help="DyT alpha initial value (or auto) for the norms of attention blocks, overriding "
+                 "--dyt-alpha-init there (default: --dyt-alpha-init)")
+        add("--dyt-squash", choices=tuple(SQUASH_FUNCTIONS),
+            help="DyT squashing function (default tanh; DyT paper's ablation: hardtanh, sigmoid)")
+        add("--dyt-freeze-alpha", action="store_true",
+            help="keep DyT alpha fixed at its initial value (--dyt-alpha-init, or the auto value); "
+                 "the DyT paper's 'without alpha' ablation is alpha fixed at 1: --dyt-no-alpha")
+        add("--dyt-no-alpha", action="store_true",
+            help="the DyT paper's 'without alpha' ablation (section 6): squash(x), i.e. alpha fixed "
+                 "at 1 (= --dyt-freeze-alpha --dyt-alpha-init 1)")
+
+    @classmethod
+    def check_args(cls, args):
+        check_scale_inits(args, cls.scale_init_flags)
+        if args.dyt_no_alpha:
+            clash = [n for n in cls.scale_init_flags if getattr(args, n) not in (None, 1.0)]
+            if clash:
+                raise NormplugError(f"--dyt-no-alpha fixes alpha at 1; it contradicts "
+                                    f"--{clash[0].replace('_', '-')} {getattr(args, clash[0])}")
+        squash = args.dyt_squash or "tanh"
+        if squash not in SQUASH_FUNCTIONS:
+            raise NormplugError(f"unknown --dyt-squash {squash!r}; choose from {', '.join(SQUASH_FUNCTIONS)}")
+
+    @classmethod
+    def build(cls, dim, args, slot):
+        """alpha0: ``--dyt-alpha-init`` (``--dyt-attn-alpha-init`` in attention blocks), 1 with
+        ``--dyt-no-alpha``, or ``auto``; ``--dyt-squash``, ``--dyt-freeze-alpha``."""
+        alpha = DYT_DEFAULT_ALPHA if args.dyt_alpha_init is None else args.dyt_alpha_init
+        if slot.role == ATTENTION and args.dyt_attn_alpha_init is not None:
+            alpha = args.dyt_attn_alpha_init
+        if args.dyt_no_alpha:
+            alpha = 1.0
+        return scale_init(alpha, lambda a: cls(dim, alpha_init=a, squash=args.dyt_squash or "tanh",
+                                               learnable_alpha=not (args.dyt_freeze_alpha or args.dyt_no_alpha),
+                                               zero_centered_gamma=args.zero_centered_gamma),
+                          DYT_DEFAULT_ALPHA)
 
     def __init__(
         self,
         dim: int,
-        alpha_init: float = 0.5,
+        alpha_init: float = DYT_DEFAULT_ALPHA,
         squash: str = "tanh",
         learnable_alpha: bool = True,
         zero_centered_gamma: bool = False,

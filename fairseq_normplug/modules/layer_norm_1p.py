@@ -12,10 +12,12 @@ flag in the checkpoint's saved args, which rebuilds this module when it is loade
 """
 import torch
 import torch.nn.functional as F
+from fairseq.modules import layer_norm as fairseq_layer_norm
 from torch import nn
 
 from fairseq_normplug.modules.fused import upcast
 from fairseq_normplug.modules.norm_base import effective_gain
+from fairseq_normplug.modules.norm_registry import register_norm
 
 
 class LayerNorm1p(nn.LayerNorm):
@@ -41,3 +43,17 @@ class LayerNorm1p(nn.LayerNorm):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", zero_centered_gamma=True"
+
+
+@register_norm("layernorm", per_channel_gain=True)
+class LayerNormType:
+    """LayerNorm (Ba et al. 2016, eq. 4), the stock norm: gamma * (x - mean) / sqrt(var + eps)
+    + beta, built exactly as fairseq builds it (``fairseq.modules.LayerNorm``), or as
+    :class:`LayerNorm1p` under ``--zero-centered-gamma``."""
+
+    #: what it builds: torch's LayerNorm (fairseq's on CPU; LayerNorm1p is one) or apex's fused one
+    module_classes = tuple(c for c in (nn.LayerNorm, getattr(fairseq_layer_norm, "FusedLayerNorm", None)) if c)
+
+    @classmethod
+    def build(cls, dim, args, slot):
+        return LayerNorm1p(dim) if getattr(args, "zero_centered_gamma", False) else fairseq_layer_norm.LayerNorm(dim)

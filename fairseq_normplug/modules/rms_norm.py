@@ -7,6 +7,7 @@ import torch
 from fairseq_normplug.modules import fused
 from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
 from fairseq_normplug.modules.norm_base import FormulaNorm, zero_centered_repr
+from fairseq_normplug.modules.norm_registry import register_norm
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,6 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_forward_kernel(rows(x), weight, eps)[0].view(x.shape)
 
 
+@register_norm("rmsnorm", shorthand=True, per_channel_gain=True)
 class RMSNorm(FormulaNorm):
     """RMSNorm(x)_i = g_i * x_i / sqrt(mean_j x_j^2 + eps); g initialised to ones.
 
@@ -75,6 +77,11 @@ class RMSNorm(FormulaNorm):
     fast path :func:`rms_norm`. ``zero_centered_gamma=True``: ``weight`` holds gamma (init 0)
     and g = 1 + gamma, passed to the fast path as its weight (``norm_base.py``).
     """
+
+    @classmethod
+    def build(cls, dim, args, slot):
+        """``--norm-eps``, ``--zero-centered-gamma``."""
+        return cls(dim, eps=args.norm_eps, zero_centered_gamma=args.zero_centered_gamma)
 
     def __init__(self, dim: int, eps: float = 1e-5, zero_centered_gamma: bool = False):
         super().__init__(dim, zero_centered_gamma)

@@ -6,7 +6,9 @@ from torch import nn
 
 from fairseq_normplug.modules import fused
 from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_base import FormulaNorm
+from fairseq_normplug.modules.norm_registry import register_norm, zero_centered_gamma_error
 
 
 def scale_norm_reference(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,6 +72,7 @@ def scale_norm(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     return scale_norm_forward_kernel(rows(x), g, eps)[0].view(x.shape)
 
 
+@register_norm("scalenorm", shorthand=True)
 class ScaleNorm(FormulaNorm):
     """ScaleNorm(x) = g * x / max(||x||, eps): one learned scalar ``g`` per norm, g0 = sqrt(d).
 
@@ -86,6 +89,23 @@ class ScaleNorm(FormulaNorm):
     reparametrisation no source defines that multiplies g's gradient by sqrt(d), changing
     how Adam moves it.
     """
+
+    @staticmethod
+    def add_args(parser):
+        parser.add_argument("--scalenorm-fixed-g", action="store_true",
+                            help="freeze every ScaleNorm g at sqrt(d) except the norm feeding the output "
+                                 "layer (Tears Table 7, 'fixed g')")
+
+    @classmethod
+    def check_args(cls, args):
+        if getattr(args, "zero_centered_gamma", False):
+            raise NormplugError(zero_centered_gamma_error(
+                "scalenorm", "its g is one learned scale initialised to sqrt(d), not a per-channel unit gain"))
+
+    @classmethod
+    def build(cls, dim, args, slot):
+        """``--norm-eps``; with ``--scalenorm-fixed-g`` g is frozen except where it feeds the output."""
+        return cls(dim, eps=args.norm_eps, learnable=slot.feeds_output or not args.scalenorm_fixed_g)
 
     def __init__(self, dim: int, eps: float = 1e-5, learnable: bool = True):
         super().__init__(dim)

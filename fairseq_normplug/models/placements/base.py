@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import Tensor, nn
 
-from fairseq_normplug.modules.norm_registry import NormSpec, build_norm
+from fairseq.modules import LayerNorm
 
 #: the norm fairseq builds for each sublayer (PreNorm: before it, PostNorm: after the residual)
 SUBLAYER_NORMS = {"attn": "self_attn_layer_norm", "cross": "encoder_attn_layer_norm", "ffn": "final_layer_norm"}
@@ -26,10 +26,10 @@ Sublayers = List[Tuple[str, Callable[[Tensor], Tensor]]]
 
 
 def new_norm(dim: int, role: str) -> nn.Module:
-    """An extra norm, built as fairseq builds its own (a LayerNorm through ``build_norm``'s
-    default spec); ``install_norms`` then turns it into the chosen ``--norm-type`` with every
-    other norm of the model (it must be listed in ``norm_placement``'s slot tables)."""
-    return build_norm(NormSpec(), dim, role)
+    """An extra norm, built as fairseq builds its own (a LayerNorm); ``install_norms`` then turns
+    it into the chosen ``--norm-type`` with every other norm of the model (it must be listed in
+    ``norm_placement``'s slot tables)."""
+    return LayerNorm(dim)
 
 
 class PlacementLayer:
