@@ -20,4 +20,4 @@ if [ "$WORKERS" -gt 1 ]; then
   THREADS=$(( CORES / WORKERS > 0 ? CORES / WORKERS : 1 ))
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS} MKL_NUM_THREADS=${MKL_NUM_THREADS:-$THREADS}
 fi
-exec "${NORMPLUG_VENV:-$ROOT/.venv}/bin/python" -m pytest tests ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"
+exec "${NORMPLUG_VENV:-$ROOT/.venv}/bin/python" -m pytest tests examples ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"

@@ -26,10 +26,10 @@ BIN = os.path.dirname(sys.executable)
 TIMEOUT = 600
 
 
-def run(*args, check=True, env=None, cwd=None):
+def run(*args, check=True, env=None, cwd=None, input_text=None):
     environment = {**os.environ, **(env or {})}
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=TIMEOUT,
-                          env=environment, cwd=cwd)
+                          env=environment, cwd=cwd, input=input_text)
     if check and proc.returncode != 0:
         raise AssertionError(f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
@@ -151,12 +151,12 @@ TRAIN = ["--task", "translation", "--arch", "transformer_normplug_tiny", "--opti
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
-    """20 updates of a PreNorm pRMSNorm model, the extension given only on the command line
-    (run from another folder, so nothing but the flag can find it)."""
+    """20 updates of a PreNorm pRMSNorm model, the extension given only on the command line, as a
+    relative path (run from another folder, so nothing but the flag can find it)."""
     save_dir = tmp_path_factory.mktemp("checkpoints")
     proc = run(f"{BIN}/fairseq-train", corpus, "--user-dir", USER_DIR, *TRAIN, "--save-dir", save_dir,
-               "--normplug-modules", EXTENSION, "--norm-type", "prmsnorm", "--prms-p", "0.25", "--prenorm",
-               cwd=str(save_dir))
+               "--normplug-modules", os.path.relpath(EXTENSION, save_dir), "--norm-type", "prmsnorm", "--prms-p", "0.25", "--prenorm",
+               "--norm-stats-interval", "5", cwd=str(save_dir))
     return save_dir, proc.stdout + proc.stderr
 
 
@@ -169,9 +169,10 @@ def saved_model_args(path):
 def test_fairseq_train_takes_the_norm_and_its_flag_and_records_the_extension(trained):
     save_dir, log = trained
     assert '"train_num_updates": "20"' in log
+    assert '"gain:dec.final"' in log and '"in_std:enc1.ffn"' in log  # the norm statistics, as a built-in's
     args = saved_model_args(save_dir / "checkpoint_last.pt")
     assert args.norm_type == "prmsnorm" and args.prms_p == 0.25
-    assert args.normplug_modules == EXTENSION  # absolute, so any folder can decode it
+    assert args.normplug_modules == EXTENSION  # recorded absolute, so any folder can decode it
 
 
 def test_fairseq_generate_and_the_hub_decode_without_being_told(trained, corpus):
@@ -179,6 +180,13 @@ def test_fairseq_generate_and_the_hub_decode_without_being_told(trained, corpus)
     proc = run(f"{BIN}/fairseq-generate", corpus, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt",
                "--beam", "2", "--max-len-b", "20", "--cpu", "--batch-size", "16", cwd=str(save_dir))
     assert "Generate test with beam=2" in proc.stdout + proc.stderr
+    interactive = run(f"{BIN}/fairseq-interactive", corpus, "--user-dir", USER_DIR, "--path",
+                      save_dir / "checkpoint_last.pt", "--cpu", "--beam", "2", "--source-lang", "src",
+                      "--target-lang", "tgt", input_text="w1 w2 w3\n", cwd=str(save_dir))
+    assert interactive.stdout.count("\nH-0\t") == 1
+    validate = run(f"{BIN}/fairseq-validate", corpus, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt",
+                   "--cpu", "--task", "translation", "--valid-subset", "valid", "--max-tokens", "1000", cwd=str(save_dir))
+    assert "| valid on 'valid' subset | loss" in validate.stdout + validate.stderr
     hub = run(sys.executable, "-c", (
         "import sys, fairseq_normplug\n"
         "from fairseq_normplug.models import TransformerNormplugModel\n"
