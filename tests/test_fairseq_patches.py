@@ -64,7 +64,7 @@ def test_optimizer_built_through_fairseq_gets_the_groups():
 
     weights, gain = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(1))
     set_param_group(gain, weight_decay=0.0)
-    cfg = OmegaConf.create({"_name": "adam", "lr": [0.1], "weight_decay": 0.1, "tpu": False})
+    cfg = OmegaConf.create({"_name": "sgd", "lr": [0.1], "momentum": 0.0, "weight_decay": 0.1})
     optimizer = fairseq.optim.build_optimizer(cfg, [weights, gain])
     assert [(g["weight_decay"], [id(p) for p in g["params"]]) for g in optimizer.param_groups] == [
         (0.1, [id(weights)]), (0.0, [id(gain)])]
