@@ -6,8 +6,10 @@ Load it with ``fairseq-train --user-dir fairseq_normplug`` (from the repository 
 ``--user-dir "$(fairseq-normplug-path)"`` after ``pip install``. Importing the package
 registers the ``transformer_normplug`` model with its presets, the ``inv_sqrt_decay`` /
 ``val_decay`` learning-rate schedulers, the ``translation_normplug`` task and the
-``masked_label_smoothed_cross_entropy`` criterion, and allow-lists the classes fairseq checkpoints
-hold so that they load under torch >= 2.6's ``weights_only`` default.
+``masked_label_smoothed_cross_entropy`` criterion, allow-lists the classes fairseq checkpoints
+hold so that they load under torch >= 2.6's ``weights_only`` default, and applies the plugin's
+two wrappers of fairseq functions (:mod:`fairseq_normplug.fairseq_patches`, pass-throughs
+until a model or lr scheduler asks for their effect).
 """
 from fairseq_normplug.install_plan import check_requirements
 
@@ -15,9 +17,11 @@ check_requirements()  # one line naming the fix when fairseq is missing or torch
 
 from fairseq_normplug.checkpoint_compat import allow_fairseq_checkpoint_classes  # noqa: E402
 from fairseq_normplug.errors import NormplugError, install_one_line_errors  # noqa: E402
+from fairseq_normplug import fairseq_patches  # noqa: E402
 
 allow_fairseq_checkpoint_classes()
 install_one_line_errors()
+fairseq_patches.install()
 
 from fairseq_normplug import models  # noqa: E402,F401  (registers the model)
 from fairseq_normplug import optim  # noqa: E402,F401  (registers the LR schedulers)

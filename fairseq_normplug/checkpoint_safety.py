@@ -44,9 +44,9 @@ import zipfile
 from dataclasses import dataclass
 from typing import List, Optional
 
+from fairseq_normplug.atomic_files import atomic_output
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.tables import atomic_output
 from fairseq_normplug.optim.lr_scheduler.common import patience_exhausted
 
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"

@@ -101,11 +101,13 @@ def during_decoding(module):
 
 
 def during_write(module):
+    from fairseq_normplug.atomic_files import atomic_output
+
     write = module.write_text_atomic
 
     def half_write(path, text):
         if os.path.basename(path) == point()[1]:
-            with module.atomic_output(path) as tmp:
+            with atomic_output(path) as tmp:
                 with open(tmp, "w", encoding="utf-8") as f:
                     f.write(text[: len(text) // 2])
                 kill()

@@ -1,5 +1,5 @@
 """Unit tests of the "Transformers without Tears" LR schedules (inv_sqrt_decay, val_decay)
-and of the validation hook, without running fairseq-train."""
+and of how every validation reaches them, without running fairseq-train."""
 import io
 from argparse import Namespace
 
@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 import fairseq_normplug  # noqa: F401  (registers the schedulers)
 from fairseq.optim import FairseqOptimizer
 from fairseq.optim.lr_scheduler import LR_SCHEDULER_DATACLASS_REGISTRY, LR_SCHEDULER_REGISTRY
+from fairseq_normplug import fairseq_patches
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.optim import validation_hook
 from fairseq_normplug.optim.lr_scheduler.common import inv_sqrt_decay_lr, inv_sqrt_decay_peak
 from fairseq_normplug.optim.lr_scheduler.inv_sqrt_decay import InvSqrtDecay
 from fairseq_normplug.optim.lr_scheduler.val_decay import ValDecay
@@ -455,22 +455,21 @@ def test_registered_with_fairseq_and_no_rerouted_flag_names():
             assert not field.startswith(("encoder_", "decoder_", "quant_noise_"))
 
 
-def test_validation_hook_feeds_the_active_scheduler_and_stops():
+def test_every_validation_reaches_the_last_built_scheduler_which_stops_training():
     import fairseq_cli.train as train_module
 
     # fairseq calls it by its module-level name after every update with valid_losses[0]
     import inspect
     assert "should_stop_early(cfg, valid_losses[0])" in inspect.getsource(
         train_module.validate_and_save)
-    assert validation_hook.install()
-    wrapper = train_module.should_stop_early
-    assert validation_hook.install() and train_module.should_stop_early is wrapper  # idempotent
     cfg = OmegaConf.create({"checkpoint": {"patience": -1,
                                            "maximize_best_checkpoint_metric": False}})
     try:
         v = make("val_decay", lr=(1e-4,), warmup_updates=0, lr_patience=0, lr_decay=0.5,
                  stop_lr=4e-5)
-        assert validation_hook.active_scheduler() is v
+        assert fairseq_patches.validation_listener() is v
+        assert fairseq_patches.installed()["fairseq_cli.train.should_stop_early"]  # by make() at the latest
+        wrapper = train_module.should_stop_early
         v.step_update(1)
         assert wrapper(cfg, None) is False
         v.step_update(2)
@@ -485,14 +484,10 @@ def test_validation_hook_feeds_the_active_scheduler_and_stops():
         assert wrapper(other, 1.0) is False and len(v.history) == 2
         # fairseq's own --patience early stopping still works through the wrapper
         cfg.checkpoint.patience = 1
-        validation_hook.clear_active_scheduler()
+        fairseq_patches.stop_feeding_validations()
         assert wrapper(cfg, 1.0) is False
         assert wrapper(cfg, 2.0) is True
     finally:
         for attr in ("best", "num_runs"):
-            if hasattr(wrapper, attr):
-                delattr(wrapper, attr)
-        validation_hook.uninstall()
-        assert not getattr(train_module.should_stop_early, "_normplug_validation_hook", False)
-        validation_hook.install()
-        assert train_module.should_stop_early is not wrapper and validation_hook.is_installed()
+            if hasattr(train_module.should_stop_early, attr):
+                delattr(train_module.should_stop_early, attr)

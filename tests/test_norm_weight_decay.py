@@ -16,7 +16,9 @@ from fairseq.optim.fp16_optimizer import FP16Optimizer
 from fairseq.trainer import Trainer
 
 from conftest import cli, run_cli
+from fairseq_normplug import fairseq_patches
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.optim import norm_weight_decay as nwd
 from model_helpers import build, parse_args, toy_batch
 from test_cli import TRAIN_COMMON, log_records
@@ -75,7 +77,7 @@ RULE_CASES = {
 @pytest.mark.parametrize("name", list(RULE_CASES))
 def test_norm_parameters_by_rule_and_tagged(tiny_bin, name):
     model, _, _ = build(tiny_bin, TINY, "--norm-weight-decay", "0.25", *RULE_CASES[name])
-    chosen = nwd.norm_parameter_names(model)
+    chosen = norm_parameter_names(model)
     all_names = [n for n, _ in model.named_parameters()]
     assert chosen == [n for n in all_names if NORM_NAME.search(n)]
     assert not any(re.search(r"(proj|fc\d)\.(weight|bias)$|embed_tokens\.weight$", n) for n in chosen)
@@ -96,21 +98,6 @@ def test_norm_parameters_by_rule_and_tagged(tiny_bin, name):
         assert "decoder.output_projection.bias" in all_names and "decoder.output_projection.bias" not in chosen
         assert sum(n.endswith("residual_scale.gains") for n in chosen) == 4
         assert all(params[n].dim() <= 1 for n in chosen)
-
-
-def test_split_param_groups_keeps_order_and_passes_untagged_lists_through():
-    a, b, c, d = (torch.nn.Parameter(torch.ones(k + 1)) for k in range(4))
-    assert nwd.split_param_groups([a, b]) == [a, b]
-    groups = [{"params": [a]}]
-    assert nwd.split_param_groups(groups) == groups
-    b.optim_overrides = {nwd.NORM_WEIGHT_DECAY_KEY: 0.0}
-    d.optim_overrides = {nwd.NORM_WEIGHT_DECAY_KEY: 0.0}
-    split = nwd.split_param_groups([a, b, c, d])
-    assert [[id(p) for p in g["params"]] for g in split] == [[id(a), id(c)], [id(b), id(d)]]
-    assert "weight_decay" not in split[0] and split[1]["weight_decay"] == 0.0
-    d.optim_overrides = {nwd.NORM_WEIGHT_DECAY_KEY: 0.5}
-    with pytest.raises(NormplugError, match="different --norm-weight-decay"):
-        nwd.split_param_groups([a, b, d])
 
 
 # ---- param groups and the update, through fairseq's Trainer --------------------------------
@@ -139,7 +126,7 @@ def test_param_groups_and_one_step_update(tiny_bin, name):
     assert type(opt).__name__ == wrapper
     assert [g["weight_decay"] for g in opt.param_groups] == [wd, norm_wd]
     names = group_names(trainer, model)
-    chosen = nwd.norm_parameter_names(model)
+    chosen = norm_parameter_names(model)
     # DyT alpha/gamma/beta: 2 x 2 encoder, 2 x 3 decoder and 2 final norms; 4 LayerScale diags
     assert names[1] == chosen and len(chosen) == 3 * (2 * 2 + 2 * 3 + 2) + 4
     assert names[0] == [n for n, p in model.named_parameters() if n not in chosen]
@@ -169,16 +156,12 @@ def test_param_groups_and_one_step_update(tiny_bin, name):
 @pytest.mark.parametrize("arch,flags", [(TINY, ["--prenorm", "--dyt"]), ("transformer", [])],
                          ids=["normplug", "stock-transformer"])
 def test_flag_absent_means_one_stock_group(tiny_bin, arch, flags):
-    nwd.install()  # even with the hook in place (another model of this process asked for it)
-    try:
-        trainer, model, _ = make_trainer(tiny_bin, *flags, "--weight-decay", "0.1", arch=arch)
-        groups = trainer.optimizer.param_groups
-        assert len(groups) == 1 and groups[0]["weight_decay"] == 0.1
-        assert [id(p) for p in groups[0]["params"]] == [id(p) for p in model.parameters()]
-        assert not any(hasattr(p, "optim_overrides") for p in model.parameters())
-    finally:
-        nwd.uninstall()
-    assert not nwd.is_installed()
+    assert fairseq_patches.installed()["fairseq.optim._build_optimizer"]  # the wrapper is in place
+    trainer, model, _ = make_trainer(tiny_bin, *flags, "--weight-decay", "0.1", arch=arch)
+    groups = trainer.optimizer.param_groups
+    assert len(groups) == 1 and groups[0]["weight_decay"] == 0.1
+    assert [id(p) for p in groups[0]["params"]] == [id(p) for p in model.parameters()]
+    assert not any(hasattr(p, "optim_overrides") for p in model.parameters())
 
 
 def _train_steps(trainer, model, task, steps):
@@ -261,7 +244,7 @@ def _optimizer_groups(save_dir):
 
 def test_fairseq_train_and_resume(tiny_bin, tmp_path):
     model, _, _ = build(tiny_bin, TINY, "--optimizer", "adam", *CLI_FLAGS)
-    n_norm = len(nwd.norm_parameter_names(model))
+    n_norm = len(norm_parameter_names(model))
     n_all = len([p for p in model.parameters() if p.requires_grad])
     first = _train(tiny_bin, tmp_path, 4)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -252,16 +252,6 @@ def test_significance_marks():
         ["", "", "", "\u2020", "\u2020", "\u2021"]
 
 
-def test_atomic_output_leaves_nothing_behind_on_failure(tmp_path):
-    target = tmp_path / "results.md"
-    target.write_text("old")
-    with pytest.raises(RuntimeError):
-        with tables.atomic_output(str(target)) as tmp:
-            open(tmp, "w").write("half")
-            raise RuntimeError("interrupted")
-    assert os.listdir(tmp_path) == ["results.md"] and target.read_text() == "old"
-
-
 GOOD_REFERENCE = {"source": "S", "metric": "tokenized_bleu", "configuration": {"norm": "scalenorm"},
                   "bleu": {"aa-bb": 1.0}}
 

@@ -43,6 +43,7 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import OmegaConf, open_dict
 
+from fairseq_normplug.atomic_files import atomic_output, write_text_atomic
 from fairseq_normplug.cli import user_dir
 from fairseq_normplug.diagnostics import fitting
 from fairseq_normplug.diagnostics.loading import (
@@ -50,7 +51,6 @@ from fairseq_normplug.diagnostics.loading import (
     evaluate_model, load_checkpoint, padding_masks, real_rows, resolve_data,
 )
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.tables import atomic_output, write_text_atomic
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
 
 #: calibration batches hold at most this many source tokens each

@@ -34,13 +34,13 @@ import torch
 logging.getLogger("matplotlib").setLevel(logging.WARNING)
 from matplotlib.figure import Figure  # noqa: E402
 
+from fairseq_normplug.atomic_files import write_text_atomic  # noqa: E402
 from fairseq_normplug.diagnostics.attention import collect_attention_statistics  # noqa: E402
 from fairseq_normplug.diagnostics.loading import (  # noqa: E402
     batches, checkpoint_parser, collect_norm_activations, load_checkpoint,
 )
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.experiments.figures import save_figure  # noqa: E402
-from fairseq_normplug.experiments.tables import write_text_atomic  # noqa: E402
 from fairseq_normplug.modules.norm_base import effective_gain  # noqa: E402
 from fairseq_normplug.modules.norm_registry import norm_type_of  # noqa: E402
 

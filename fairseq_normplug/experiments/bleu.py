@@ -41,7 +41,7 @@ from sacrebleu.significance import PairedTest, _compute_p_value, estimate_ci
 from sacremoses import MosesDetokenizer
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.tables import write_text_atomic
+from fairseq_normplug.atomic_files import write_text_atomic
 
 BPE_KINDS = ("subword_nmt", "sentencepiece")
 SENTENCEPIECE_SPACE = "\u2581"

@@ -48,7 +48,7 @@ from matplotlib import colormaps  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from fairseq_normplug.errors import NormplugError  # noqa: E402
-from fairseq_normplug.experiments.tables import atomic_output  # noqa: E402
+from fairseq_normplug.atomic_files import atomic_output  # noqa: E402
 from fairseq_normplug.experiments.training_log import TrainingLog, parse_training_log  # noqa: E402
 
 #: {label: one log, or the logs of the label's seeds}

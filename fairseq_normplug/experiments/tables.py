@@ -32,17 +32,16 @@ A result row is a dict with the keys of :data:`FIELDS`:
   when None: a reference of the row's configuration in the table's metric, see
   :func:`matching_reference`).
 """
-import contextlib
 import csv
 import io
 import json
 import os
 import re
 import statistics
-import tempfile
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -123,30 +122,6 @@ class Reference:
         """Whether a row of ``configuration`` (:func:`row_configuration`) is this configuration."""
         return configuration is not None and all(configuration.get(key) == value
                                                  for key, value in self.configuration.items())
-
-
-@contextlib.contextmanager
-def atomic_output(path: str) -> Iterator[str]:
-    """Yield a temporary path next to ``path``; when the block succeeds, rename it to
-    ``path`` (readers never see a half-written file), else delete it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                                   suffix=".tmp")
-    os.close(handle)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` through :func:`atomic_output`."""
-    with atomic_output(path) as tmp:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
 
 
 def _check_keys(data, allowed, where: str) -> None:

@@ -17,6 +17,7 @@ from fairseq.models import register_model
 from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
 from fairseq_normplug.models.placements import (apply_placement_init, install_layernorm_scaling, install_normformer,
@@ -131,7 +132,8 @@ class TransformerNormplugModel(TransformerModel):
             install_qknorm(model, g0)
         if beyond.embed_scale == "learnable":
             make_embed_scale_learnable(model)
-        mark_norm_parameters(model, beyond.norm_weight_decay)  # no-op without --norm-weight-decay
+        if beyond.norm_weight_decay is not None:
+            mark_norm_parameters(model, norm_parameter_names(model), beyond.norm_weight_decay)
         model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
         model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         return model

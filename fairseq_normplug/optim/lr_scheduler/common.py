@@ -11,8 +11,8 @@ code): the first update uses ``lr(1)``, update ``n_warmup`` uses the peak
 the ``lr`` fairseq logs at ``num_updates = N`` is the one update ``N + 1`` will use.
 
 Training stops once the lr falls below ``--stop-lr`` (paper: 5e-5), checked after every
-update (not only at epoch ends, see :mod:`fairseq_normplug.optim.validation_hook`) and
-never during warmup, where the lr starts near zero. With ``--stop-patience N`` it also stops
+update (not only at epoch ends: :func:`fairseq_normplug.fairseq_patches.feed_validations_to`)
+and never during warmup, where the lr starts near zero. With ``--stop-patience N`` it also stops
 once N validations after warmup in a row have not improved on the best one before them
 (:func:`patience_exhausted`); the validation history is kept in the scheduler's state, so a
 resumed run stops at the same update as the uninterrupted one.
@@ -29,6 +29,7 @@ from fairseq.optim.lr_scheduler import FairseqLRScheduler
 from omegaconf import II, DictConfig, OmegaConf
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.fairseq_patches import feed_validations_to
 
 logger = logging.getLogger(__name__)
 
@@ -248,10 +249,7 @@ class PaperLRSchedule(FairseqLRScheduler):
         self.history: List[List[float]] = []  # [update, metric] per validation
         self._stop_logged = False
         self._warmup_end_logged = False
-        from fairseq_normplug.optim import validation_hook
-
-        validation_hook.install()
-        validation_hook.set_active_scheduler(self)
+        feed_validations_to(self)  # every validation, mid-epoch too: on_validate_and_save
 
     # ----- flags -------------------------------------------------------------------------
     def check_common_flags(self, cfg):
@@ -326,7 +324,7 @@ class PaperLRSchedule(FairseqLRScheduler):
 
     def step(self, epoch, val_loss=None):
         """End of an epoch: fairseq passes the epoch's last validation metric (or None).
-        It was normally seen already through the validation hook at the same update,
+        It was normally seen already through ``on_validate_and_save`` at the same update,
         in which case it is not counted again."""
         super().step(epoch, val_loss)
         if val_loss is not None:
@@ -368,7 +366,8 @@ class PaperLRSchedule(FairseqLRScheduler):
         return reason is not None
 
     def on_validate_and_save(self, valid_metric) -> bool:
-        """Called by the validation hook after every update (``valid_metric`` is None when
+        """Called by fairseq-train after every update (through
+        :func:`~fairseq_normplug.fairseq_patches.feed_validations_to`; ``valid_metric`` is None when
         that update was not followed by a validation). Returns True to stop training."""
         if valid_metric is not None:
             self.observe_validation(valid_metric)
