@@ -13,6 +13,7 @@ LAYERS = (
     # atomic file writing, the two fairseq wrappers, the plugin's paths, the toy corpus
     {"errors", "install_plan", "checkpoint_compat", "atomic_files", "fairseq_patches", "cli",
      "synthetic_corpus"},
+    {"extensions"},               # loading a researcher's own norms and placements
     {"modules", "prepare"},       # norm layers; corpus preparation
     {"optim"},                    # lr schedules; the param group of --norm-weight-decay
     {"models"},                   # architecture, config, placements, which parameters are norm parameters
