@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
-from fairseq_normplug.models.placement_args import PlacementSettings, add_placement_args, resolve_placement_args
+from fairseq_normplug.models.placement_args import add_placement_args, resolve_placement_args
+from fairseq_normplug.models.placements.layers import LayerPlan
 from fairseq_normplug.models.output_layer_args import (
     OutputLayerSettings,
     add_output_layer_args,
@@ -123,7 +124,7 @@ def add_normplug_args(parser) -> None:
              "its input std into the training log (0 = off, the default)")
     add_output_layer_args(add)
     add_beyond_args(add)
-    add_placement_args(add)
+    add_placement_args(group)
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class NormplugSettings:
     norm_stats_interval: int
     beyond: BeyondSettings
     output: OutputLayerSettings
-    placement: PlacementSettings
+    placement: LayerPlan
 
 
 def _flag(name: str) -> str:
@@ -212,8 +213,8 @@ def resolve_normplug_args(args) -> NormplugSettings:
     fill_normplug_defaults(args)
     norm_type = _resolve_norm_type(args)
     args.norm_type = norm_type
-    placement = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm
-    prenorm = placement.placement == "pre"
+    placement = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
+    prenorm = placement.placement.name == "pre"
 
     _require(args.norm_eps > 0, f"--norm-eps must be > 0, got {args.norm_eps}")
     _require(not args.zero_centered_gamma or not zero_centered_gamma_error(norm_type),
@@ -258,7 +259,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(args.norm_stats_interval >= 0,
              f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
 
-    beyond = resolve_beyond_args(args, norm_type, prenorm, weight_init_given)
+    beyond = resolve_beyond_args(args, norm_type, placement.placement, weight_init_given)
     output = resolve_output_layer_args(args)
 
     spec = NormSpec(
