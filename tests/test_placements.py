@@ -320,7 +320,7 @@ BAD = [
         (["--norm-placement", "b2t"], "--norm-placement b2t"), (["--norm-placement", "mix"], "--norm-placement mix"),
         (["--norm-placement", "sandwich"], "--norm-placement sandwich"),
         (["--norm-placement", "resi-dual"], "--norm-placement resi-dual"),
-        (["--encoder-normalize-before"], "--encoder-normalize-before"))],
+        (["--encoder-normalize-before"], "--encoder-normalize-before (fairseq's PreNorm in one stack)"))],
     (["--norm-placement", "resi-dual", "--encoder-layerdrop", "0.1"],
      "--encoder-layerdrop 0.1 cannot be combined with --norm-placement resi-dual"),
     (["--norm-placement", "resi-dual", "--decoder-layerdrop", "0.2"],
