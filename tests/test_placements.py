@@ -14,6 +14,7 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms, output_norm
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.mix import post_layers
+from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from model_helpers import (assert_incremental_matches_full, assert_same_model, assert_training_steps_reach_every_parameter,
                            build, parse_args, randomized, toy_batch)
@@ -386,3 +387,49 @@ def test_b2t_rescales_the_layer_weights_as_the_authors_code(tiny_bin):
     for key in stock:
         factor = 2 ** -0.5 if key in scaled else 1.0
         assert torch.equal(ours[key], stock[key] * factor) if factor != 1 else torch.equal(ours[key], stock[key]), key
+
+
+# ---- every accepted placement x norm type; activation checkpointing -----------------------------
+
+#: every placement, and the modifiers on the placement they are defined for
+DESIGNS = {**{name: ["--norm-placement", name] for name in PLACEMENT_NAMES},
+           "pre+normformer": ["--prenorm", "--normformer"], "pre+layernorm-scaling": ["--prenorm", "--layernorm-scaling"]}
+
+
+def one_backward(model, task, seed=0):
+    """Gradients of one training forward/backward on the toy sample (dropout on, seeded)."""
+    model.train()
+    torch.manual_seed(seed)
+    src, lengths, prev = toy_batch(task)
+    model(src, lengths, prev)[0].float().pow(2).mean().backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_every_norm_type_is_finite_decodes_incrementally_and_trains_every_parameter(tiny_bin, design):
+    for norm_type in NORM_TYPES:
+        model, task, _ = build(tiny_bin, TINY, *DESIGNS[design], "--norm-type", norm_type)
+        assert_incremental_matches_full(model, task)  # also: finite
+        grads = one_backward(model, task)
+        missing = [name for name, grad in grads.items() if grad is None]
+        assert not missing, (norm_type, missing)
+        assert all(torch.isfinite(grad).all() for grad in grads.values()), norm_type
+
+
+@pytest.mark.parametrize("design", list(DESIGNS))
+def test_checkpoint_activations_give_the_same_gradients(tiny_bin, design):
+    """fairseq's --checkpoint-activations (and --offload-activations) wrap the placement's own
+    layers: the same weights, outputs and gradients as without, and the layers are really wrapped."""
+    flags = DESIGNS[design]
+    plain, task, _ = build(tiny_bin, TINY, *flags, seed=7)
+    expected = one_backward(plain, task)
+    for wrapper in ("--checkpoint-activations", "--offload-activations"):
+        model, _, _ = build(tiny_bin, TINY, *flags, wrapper, seed=7)
+        layers = (*model.encoder.layers, *model.decoder.layers)
+        assert all(hasattr(layer, "precheckpoint_forward") for layer in layers)
+        assert all(type(layer) is type(other) for layer, other in zip(layers, (*plain.encoder.layers,
+                                                                               *plain.decoder.layers)))
+        grads = one_backward(model, task)
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():
+            assert torch.allclose(grad, expected[name], atol=1e-6), (wrapper, name)
