@@ -12,8 +12,8 @@ the same two decorators (docs/placements.md).
 Adding a built-in: one file here and its line below (the import registers it; the order of
 the lines is the order of the choices).
 """
-from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, LayerDesign, Modifier, Placement,
-                                                    layer_norm_slots, new_norm, register_modifier,
+from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBLAYER_NORMS, LayerDesign, Modifier,
+                                                    Placement, layer_norm_slots, new_norm, register_modifier,
                                                     register_placement, registered_designs, set_final_norm)
 from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b2t, mix, hybrid  # noqa: F401,E402
 from fairseq_normplug.models.placements import normformer, layernorm_scaling  # noqa: F401,E402
@@ -26,6 +26,6 @@ def placement_label(name: str, modifiers=()) -> str:
     return "+".join([placement.label if placement else name, *modifiers])
 
 
-__all__ = ["PLACEMENTS", "MODIFIERS", "LayerDesign", "Placement", "Modifier", "register_placement",
+__all__ = ["PLACEMENTS", "MODIFIERS", "SUBLAYER_NORMS", "LayerDesign", "Placement", "Modifier", "register_placement",
            "register_modifier", "registered_designs", "layer_norm_slots", "new_norm", "set_final_norm",
            "placement_label"]
