@@ -26,7 +26,9 @@ A :class:`Placement` subclass may define (every member is optional):
   ``layer.dropout_module`` and ``layer.residual_connection`` fairseq's dropout and residual
   hook. With ``stock_forward = True`` the layers keep fairseq's own forward instead;
 * ``finish_model(model)``: a last step once every norm has its type and ``--weight-init`` was
-  applied (the authors' own init, hooks on the final norm modules).
+  applied (the authors' own init, hooks on the final norm modules);
+* ``keeps_final_norm`` (refuse ``--no-decoder-final-norm``), ``pure_postnorm`` (DeepNorm and
+  Admin accept it), ``label`` (the results tables' label; default the name).
 
 A :class:`Modifier` has the same members, is switched on by its own flag (``enabled``), and
 gets the chosen placement in ``__init__(self, args, placement)``; ``sublayer_forward = True``
@@ -133,7 +135,6 @@ class Placement(LayerDesign):
     pure_postnorm = False
 
     def __init__(self, args):
-        self.args = args
         if getattr(args, "no_decoder_final_norm", False) and (self.final_norm or self.keeps_final_norm):
             self.refuse(f"--no-decoder-final-norm cannot be combined with {self.describe()}: its "
                         f"formula ends each stack with a final norm")
@@ -157,7 +158,7 @@ class Modifier(LayerDesign):
     sublayer_forward = False
 
     def __init__(self, args, placement: Placement):
-        self.args = args
+        """Read the modifier's flags from ``args``; refuse what ``placement`` does not define."""
 
     @classmethod
     def enabled(cls, args) -> bool:
