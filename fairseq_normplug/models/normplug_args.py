@@ -136,7 +136,7 @@ class NormplugSettings:
     norm_stats_interval: int
     beyond: BeyondSettings
     output: OutputLayerSettings
-    placement: LayerPlan
+    layer_plan: LayerPlan  # --norm-placement and the modifiers switched on
 
 
 def _flag(name: str) -> str:
@@ -213,8 +213,8 @@ def resolve_normplug_args(args) -> NormplugSettings:
     fill_normplug_defaults(args)
     norm_type = _resolve_norm_type(args)
     args.norm_type = norm_type
-    placement = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
-    prenorm = placement.placement.name == "pre"
+    layer_plan = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
+    prenorm = layer_plan.placement.name == "pre"
 
     _require(args.norm_eps > 0, f"--norm-eps must be > 0, got {args.norm_eps}")
     _require(not args.zero_centered_gamma or not zero_centered_gamma_error(norm_type),
@@ -259,7 +259,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(args.norm_stats_interval >= 0,
              f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
 
-    beyond = resolve_beyond_args(args, norm_type, placement.placement, weight_init_given)
+    beyond = resolve_beyond_args(args, norm_type, layer_plan.placement, weight_init_given)
     output = resolve_output_layer_args(args)
 
     spec = NormSpec(
@@ -277,4 +277,4 @@ def resolve_normplug_args(args) -> NormplugSettings:
     return NormplugSettings(prenorm=prenorm, norm=spec, fixnorm=args.fixnorm,
                             weight_init=weight_init,
                             norm_stats_interval=args.norm_stats_interval, beyond=beyond, output=output,
-                            placement=placement)
+                            layer_plan=layer_plan)

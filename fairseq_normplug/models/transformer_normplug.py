@@ -124,7 +124,7 @@ class TransformerNormplugModel(TransformerModel):
         beyond, output = settings.beyond, settings.output
         g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         allowed = build_allowed_types(args, task) if output.target_vocab_mask else None
-        layer_plan = settings.placement
+        layer_plan = settings.layer_plan
         building = BUILDING_LAYER_PLAN.set(None if layer_plan.is_stock else layer_plan)
         try:
             model = super().build_model(args, task)  # layers: build_encoder / build_decoder below
