@@ -30,9 +30,10 @@ A :class:`Placement` subclass may define (every member is optional):
 * ``keeps_final_norm`` (refuse ``--no-decoder-final-norm``), ``pure_postnorm`` (DeepNorm and
   Admin accept it), ``label`` (the results tables' label; default the name).
 
-A :class:`Modifier` has the same members, is switched on by its own flag (``enabled``), and
-gets the chosen placement in ``__init__(self, args, placement)``; ``sublayer_forward = True``
-makes the layers run the placement's ``sublayers`` (fairseq's forward would skip its modules).
+A :class:`Modifier` has the same members, is switched on by its own flag ``--<name>`` (which
+its ``add_args`` adds, ``store_true``; see ``enabled``), and gets the chosen placement in
+``__init__(self, args, placement)``; ``sublayer_forward = True`` makes the layers run the
+placement's ``sublayers`` (fairseq's forward would skip its modules).
 """
 from typing import Callable, Dict, Sequence, Tuple, Type
 
