@@ -78,8 +78,8 @@ def resolve_placement_args(args) -> LayerPlan:
     fill_placement_defaults(args)
     placement = PLACEMENTS[_chosen_placement(args)](args)
     for name, cls in PLACEMENTS.items():
-        given = [dest for dest in cls.defaults if name != placement.name and getattr(args, dest) is not None]
-        if given:
+        given = [dest for dest in cls.defaults if getattr(args, dest) is not None]
+        if given and name != placement.name:
             _refuse(f"{flag(given[0])} needs --norm-placement {name}, got {placement.describe()}")
     modifiers = []
     for name, cls in MODIFIERS.items():
