@@ -29,11 +29,15 @@ from fairseq_normplug import tasks  # noqa: E402,F401  (registers the translatio
 from fairseq_normplug import criterions  # noqa: E402,F401  (registers masked_label_smoothed_cross_entropy)
 from fairseq_normplug.modules.norm_base import FormulaNorm  # noqa: E402
 from fairseq_normplug.modules.norm_registry import register_norm  # noqa: E402
+from fairseq_normplug.models.placements import (  # noqa: E402
+    Modifier, Placement, new_norm, register_modifier, register_placement,
+)
 from fairseq_normplug.extensions import load_startup_extensions  # noqa: E402
 
 # a researcher's own norms and placements (docs/extending.md): installed packages' entry points,
 # $NORMPLUG_MODULES and --normplug-modules, before fairseq parses the model's arguments
 load_startup_extensions()
 
-__all__ = ["NormplugError", "FormulaNorm", "register_norm"]
+__all__ = ["NormplugError", "FormulaNorm", "register_norm", "Placement", "Modifier", "register_placement",
+           "register_modifier", "new_norm"]
 __version__ = "0.1.0"

@@ -189,8 +189,18 @@ def test_command_line_bad_input(log_paths, tmp_path):
         figures.main(["--log", "DyT", "--out", str(tmp_path)])
     with pytest.raises(NormplugError, match="no such training log"):
         figures.main(["--log", f"x={tmp_path}/missing.log", "--out", str(tmp_path)])
-    with pytest.raises(NormplugError, match="unknown norm name 'dec2.mlp'"):
-        figures.norm_sort_key("dec2.mlp")
+    with pytest.raises(NormplugError, match="unknown norm name 'dec2-mlp'"):
+        figures.norm_sort_key("dec2-mlp")
+
+
+def test_norm_names_of_every_registered_slot_sort_in_forward_order():
+    """Every placement's and modifier's slots are norm names (``enc0.attn_out``, ``dec1.cross_q``),
+    ordered sublayer by sublayer; a slot of a design not loaded here sorts after the known ones."""
+    names = ["dec.final", "dec0.ffn_out", "dec0.cross_q", "enc0.mine", "enc0.ffn_inner", "enc0.attn_out",
+             "enc.final", "enc1.attn", "enc0.resi_final", "enc0.attn", "dec0.attn_inner", "dec0.cross"]
+    assert sorted(names, key=figures.norm_sort_key) == [
+        "enc0.attn", "enc0.attn_out", "enc0.ffn_inner", "enc0.resi_final", "enc0.mine", "enc1.attn", "enc.final",
+        "dec0.attn_inner", "dec0.cross", "dec0.cross_q", "dec0.ffn_out", "dec.final"]
 
 
 # ---- seeds: a band (mean, min-max) per label, from hand-made logs -----------------------------

@@ -14,6 +14,7 @@ from fairseq import checkpoint_utils
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.models.placement_args import resolve_placement_args
+from fairseq_normplug.models.placements.layers import PlacementDecoderLayer, PlacementEncoderLayer
 from fairseq_normplug.models.placements.normformer import HeadScaledProjection
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.qknorm import HeadNormProjection
@@ -76,10 +77,10 @@ def test_layer_formula(tiny_bin, flags):
     mask = future_mask(5)
     with torch.no_grad():
         for layer in model.encoder.layers:
-            assert type(layer).__name__.startswith("NormFormerEncoderLayer")
+            assert isinstance(layer, PlacementEncoderLayer)
             assert torch.allclose(layer(x, None), reference_layer(layer, x), atol=1e-5)
         for layer in model.decoder.layers:
-            assert type(layer).__name__.startswith("NormFormerDecoderLayer")
+            assert isinstance(layer, PlacementDecoderLayer)
             ours = layer(x, enc, None, self_attn_mask=mask)[0]
             assert torch.allclose(ours, reference_layer(layer, x, mask, enc), atol=1e-5)
     if "--qknorm" in flags:  # QKNorm still replaces q/k, and the head scales wrap out_proj of the same attention
@@ -248,8 +249,8 @@ def test_fairseq_train_and_reload(tiny_bin, tmp_path):
     path = str(save_dir / "checkpoint_last.pt")
     (model,), cfg, _ = checkpoint_utils.load_model_ensemble_and_task([path])
     assert cfg.model.normformer is True and cfg.model.norm_placement == "pre"
-    assert type(model.encoder.layers[0]).__name__.startswith("NormFormerEncoderLayer")
-    assert type(model.decoder.layers[0]).__name__.startswith("NormFormerDecoderLayer")
+    assert isinstance(model.encoder.layers[0], PlacementEncoderLayer)
+    assert isinstance(model.decoder.layers[0], PlacementDecoderLayer)
     saved = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
     heads = saved["decoder.layers.1.self_attn.out_proj.head_scale"]
     assert not torch.equal(heads, torch.ones(2))  # the head scales were trained ...
@@ -266,7 +267,7 @@ BAD = [
     (["--normformer", "--norm-placement", "hybrid"], "got --norm-placement hybrid"),
     (["--normformer", "--postnorm"], "got --norm-placement post"),
     (["--normformer", "--encoder-normalize-before"], "got only --encoder-normalize-before"),
-    ([*NF, "--checkpoint-activations"], "--checkpoint-activations cannot be combined with --normformer"),
+    ([*NF, "--no-decoder-final-norm"], "--no-decoder-final-norm cannot be combined with --normformer"),
     ([*NF, "--encoder-xformers-att-config", '{"name": "scaled_dot_product"}'],
      "--encoder-xformers-att-config cannot be combined with --normformer"),
     ([*NF, "--residual-scale", "deepnorm"], "defined for PostNorm only"),

@@ -300,6 +300,11 @@ def test_row_configuration_reads_the_flags():
     assert tables.row_configuration("table3/gl-en/row") is None and tables.row_configuration(None) is None
     assert tables.config_string(["--prenorm", "--lr", "3e-3"], "no_warmup") == "--prenorm --lr 3e-3 schedule=no_warmup"
     assert set(tables.CONFIGURATION_KEYS) == set(tables.row_configuration("schedule=s"))
+    placements = {"--norm-placement pre": "prenorm", "--norm-placement sandwich": "sandwich",
+                  "--norm-placement post": "postnorm", "--encoder-normalize-before --decoder-normalize-before": "prenorm",
+                  "--prenorm --normformer": "prenorm+normformer", "--norm-placement mine": "mine"}
+    for flags, label in placements.items():
+        assert tables.row_configuration(f"{flags} schedule=s")["placement"] == label, flags
 
 
 def test_multi_bleu_detok_is_13a_tokenization_of_the_tokenized_lines():

@@ -49,12 +49,15 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.atomic_files import atomic_output  # noqa: E402
+from fairseq_normplug.models.norm_placement import norm_short_names  # noqa: E402
 from fairseq_normplug.experiments.training_log import TrainingLog, parse_training_log  # noqa: E402
 
 #: {label: one log, or the logs of the label's seeds}
 Logs = Dict[str, Union[TrainingLog, Sequence[TrainingLog]]]
 Groups = Dict[str, List[TrainingLog]]
-NORM_NAME = re.compile(r"^(?P<stack>enc|dec)(?P<layer>\d+)?\.(?P<sublayer>attn|cross|ffn|final)$")
+#: a norm's name (``norm_placement.named_norms``): stack, layer (none for a stack's own norm) and
+#: the slot's short name, which any registered placement or modifier may define
+NORM_NAME = re.compile(r"^(?P<stack>enc|dec)(?P<layer>\d+)?\.(?P<sublayer>\w+)$")
 SUBLAYER_ORDER = {"attn": 0, "cross": 1, "ffn": 2}
 STACK_ORDER = {"enc": 0, "dec": 1}
 G_PANELS = (("enc.attn", "Encoder self-attention"), ("enc.ffn", "Encoder FFN"),
@@ -134,11 +137,16 @@ def parse_norm_name(name: str) -> Tuple[str, Optional[int], str]:
     return match.group("stack"), None if layer is None else int(layer), match.group("sublayer")
 
 
-def norm_sort_key(name: str) -> Tuple[int, float, int]:
-    """Forward order of norm names: encoder before decoder, layer by layer (attn, cross,
-    ffn), the stack's final norm last."""
+def norm_sort_key(name: str) -> Tuple[int, float, int, int, str]:
+    """Forward order of norm names: encoder before decoder, layer by layer (the slots of the
+    self-attention, cross-attention, FFN in turn, by their short name's first part, ``attn_out``
+    with ``attn``; within one, the registry's order; slots of designs not loaded here last),
+    the stack's final norm last."""
     stack, layer, sublayer = parse_norm_name(name)
-    return STACK_ORDER[stack], math.inf if layer is None else layer, SUBLAYER_ORDER.get(sublayer, 0)
+    slots = norm_short_names()
+    order = slots.index(sublayer) if sublayer in slots else len(slots)
+    part = SUBLAYER_ORDER.get(sublayer.split("_")[0], len(SUBLAYER_ORDER))
+    return STACK_ORDER[stack], math.inf if layer is None else layer, part, order, sublayer
 
 
 def _sorted_norms(values: Dict[str, float]) -> Dict[str, float]:

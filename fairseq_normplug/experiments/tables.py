@@ -43,6 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.placements import MODIFIERS, placement_label
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
@@ -71,7 +72,8 @@ CELL_METRICS = ("tokenized_bleu", "compound_split_bleu", "multi_bleu_detok")
 DEFAULT_METRIC = "tokenized_bleu"
 #: what identifies a configuration: {attribute: how it is read from a row's flags}
 CONFIGURATION_KEYS = {
-    "placement": "prenorm with --prenorm, else postnorm",
+    "placement": "the registered placement's label (postnorm, prenorm, sandwich, ...) with +modifier per "
+                 "modifier flag (prenorm+normformer)",
     "norm": "--norm-type, or the shorthand --scalenorm / --rmsnorm / --dyt; layernorm by default",
     "fixnorm": "true with --fixnorm",
     "qknorm": "true with --qknorm",
@@ -215,6 +217,15 @@ def _parse_flags(tokens: Sequence[str]) -> Dict[str, object]:
     return flags
 
 
+def _row_placement(flags: Dict[str, object]) -> str:
+    """The ``--norm-placement`` a row's flags choose (``--prenorm`` / ``--postnorm``, or fairseq's
+    two normalize-before flags, as ``models/placement_args.py`` resolves them)."""
+    if isinstance(flags.get("--norm-placement"), str):
+        return flags["--norm-placement"]
+    both_stacks = "--encoder-normalize-before" in flags and "--decoder-normalize-before" in flags
+    return "pre" if "--prenorm" in flags or both_stacks else "post"
+
+
 def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
     """The attributes of :data:`CONFIGURATION_KEYS` of a :func:`config_string`; None for a
     ``config`` without ``schedule=`` (not written by the runner: it matches no published number)."""
@@ -232,7 +243,8 @@ def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
         stop_lr = float(flags.get("--stop-lr", DEFAULT_STOP_LR))
     except ValueError:
         stop_lr = None
-    return {"placement": "prenorm" if "--prenorm" in flags else "postnorm", "norm": norm,
+    return {"placement": placement_label(_row_placement(flags),
+                                         [name for name in MODIFIERS if f"--{name}" in flags]), "norm": norm,
             "fixnorm": "--fixnorm" in flags, "qknorm": "--qknorm" in flags, "init": init,
             "residual_scale": flags.get("--residual-scale", "none"),
             "layers": None if encoder is None and decoder is None else f"{encoder or '?'}/{decoder or '?'}",

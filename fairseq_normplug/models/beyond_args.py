@@ -12,6 +12,8 @@ from fairseq_normplug.modules.embed_scale import EMBED_SCALES
 from fairseq_normplug.modules.residual_scale import RESIDUAL_SCALES
 from fairseq_normplug.optim.norm_weight_decay import check_norm_weight_decay_args
 
+#: the residual scalings defined for PostNorm only (x <- LN(alpha x + F(x)) in every layer), and where
+POSTNORM_ONLY = {"deepnorm": "DeepNet, Wang et al. 2022", "admin": "Admin, Liu et al. 2020"}
 BEYOND_DEFAULTS = {
     "qknorm": False,
     "qknorm_g0": None,  # computed from the training data in build_model when not given
@@ -52,9 +54,10 @@ class BeyondSettings:
     norm_weight_decay: Optional[float] = None  # None: not given, --weight-decay for everything
 
 
-def resolve_beyond_args(args, norm_type: str, prenorm: bool, weight_init_given: bool) -> BeyondSettings:
-    """Validate the flags (``norm_type``/``prenorm``/``weight_init`` already resolved;
-    ``weight_init_given``: the user chose an init other than fairseq's)."""
+def resolve_beyond_args(args, norm_type: str, placement, weight_init_given: bool) -> BeyondSettings:
+    """Validate the flags (``norm_type``, ``placement`` (the chosen
+    :class:`~fairseq_normplug.models.placements.Placement`) and ``weight_init`` already
+    resolved; ``weight_init_given``: the user chose an init other than fairseq's)."""
     for name, value in BEYOND_DEFAULTS.items():
         if getattr(args, name, None) is None:
             setattr(args, name, value)
@@ -80,10 +83,10 @@ def resolve_beyond_args(args, norm_type: str, prenorm: bool, weight_init_given: 
         if getattr(args, "quant_noise_pq", 0):
             refuse(f"--qknorm cannot be combined with --quant-noise-pq {args.quant_noise_pq}: "
                    "QKNorm replaces the q/k projections that quant-noise hooks into")
+    if residual in POSTNORM_ONLY and not placement.pure_postnorm:
+        refuse(f"--residual-scale {residual} is defined for PostNorm only ({POSTNORM_ONLY[residual]}); "
+               f"it cannot be combined with {placement.describe()}")
     if residual == "deepnorm":
-        if prenorm:
-            refuse("--residual-scale deepnorm is defined for PostNorm only (DeepNet, Wang et al. "
-                   "2022); drop --prenorm / --norm-placement pre / --encoder-normalize-before / --decoder-normalize-before")
         if norm_type == "identity":
             refuse("--residual-scale deepnorm needs a norm after each residual (alpha*x grows "
                    "unboundedly without it); choose a --norm-type other than identity")
@@ -91,9 +94,6 @@ def resolve_beyond_args(args, norm_type: str, prenorm: bool, weight_init_given: 
             refuse(f"--residual-scale deepnorm brings its own init (DeepNet's beta-scaled Xavier); "
                    f"drop --weight-init {args.weight_init}")
     if residual == "admin":
-        if prenorm:
-            refuse("--residual-scale admin is defined for PostNorm only (Admin, Liu et al. 2020); "
-                   "drop --prenorm / --norm-placement pre / --encoder-normalize-before / --decoder-normalize-before")
         if norm_type == "identity":
             refuse("--residual-scale admin needs a norm after each residual (its omegas scale the "
                    "residual up); choose a --norm-type other than identity")

@@ -1,62 +1,62 @@
 """Where the norms of fairseq's Transformer live, and how the plugin swaps them.
 
 fairseq builds its LayerNorms inline (no build hook), so the plugin replaces them on the
-built encoder/decoder: per layer ``self_attn_layer_norm``, ``encoder_attn_layer_norm``
-(decoder) and ``final_layer_norm`` (the FFN block's norm), the stacks' final ``layer_norm``
-(present only with PreNorm) and, when enabled, ``layernorm_embedding`` and NormFormer's
-``attn_ln``/``ffn_layernorm``; the norms that ``--norm-placement`` adds (``models/placements/``):
-Sandwich's ``*_out_layer_norm`` after each sublayer, ResiDual's ``resi_dual_layer_norm`` (its
-stack's extra final norm, on the last layer) and HybridNorm's ``q_proj.norm`` / ``k_proj.norm``
-/ ``v_proj.norm`` inside each attention. With the layernorm type nothing is replaced, so the
-model is exactly fairseq's.
+built encoder/decoder: per layer fairseq's ``self_attn_layer_norm``, ``encoder_attn_layer_norm``
+(decoder) and ``final_layer_norm`` (the FFN block's norm), then the norms every registered
+placement and modifier lists in its ``norm_slots`` (``models/placements/``: e.g. Sandwich's
+``*_out_layer_norm``, HybridNorm's ``self_attn.q_proj.norm``, NormFormer's ``attn_ln``), and
+per stack the final ``layer_norm`` (present only with PreNorm) and ``layernorm_embedding``.
+With the layernorm type nothing is replaced, so the model is exactly fairseq's.
 """
 from typing import Dict, Iterator, Tuple
 
 from torch import nn
 
-from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL, NormSlot, build_norm
+from fairseq_normplug.models.placements import layer_norm_slots
+from fairseq_normplug.modules.norm_registry import FFN, FINAL, NormSlot, build_norm
 
-LAYER_NORM_SLOTS = (
-    ("self_attn_layer_norm", ATTENTION, "attn"),
-    ("encoder_attn_layer_norm", ATTENTION, "cross"),
-    ("attn_ln", ATTENTION, "attn_inner"),
-    ("final_layer_norm", FFN, "ffn"),
-    ("ffn_layernorm", FFN, "ffn_inner"),
-    ("self_attn_out_layer_norm", ATTENTION, "attn_out"),  # sandwich
-    ("encoder_attn_out_layer_norm", ATTENTION, "cross_out"),  # sandwich
-    ("final_out_layer_norm", FFN, "ffn_out"),  # sandwich
-    ("resi_dual_layer_norm", FINAL, "resi_final"),  # resi-dual: the stack's extra final norm
-)
 STACK_NORM_SLOTS = (("layer_norm", FINAL, "final"), ("layernorm_embedding", FFN, "embed"))
-#: hybrid's QKV norms: ``<attention>.<projection>.norm``, named e.g. ``enc0.attn_q``, ``dec1.cross_v``
-ATTENTION_NORM_SLOTS = (("self_attn", "attn"), ("encoder_attn", "cross"))
-PROJECTION_NORM_SLOTS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"))
+Slot = Tuple[nn.Module, str, str, str]
 
 
-def norm_slots(model) -> Iterator[Tuple[nn.Module, str, str, str]]:
-    """Yield (owner module, attribute, role, short name) for every norm of the model."""
+def layer_norms(layer: nn.Module) -> Iterator[Slot]:
+    """Yield (owner module, attribute, role, short name) for every norm of one layer: the
+    registry's layer slots (``placements.layer_norm_slots``) that the layer has."""
+    for path, role, short in layer_norm_slots():
+        *owners, attr = path.split(".")
+        owner = layer
+        for name in owners:
+            owner = getattr(owner, name, None)
+        if owner is not None and getattr(owner, attr, None) is not None:
+            yield owner, attr, role, short
+
+
+def norm_slots(model) -> Iterator[Slot]:
+    """Yield (owner module, attribute, role, short name) for every norm of the model; short
+    names are ``enc0.attn``, ``dec1.cross_out``, ``enc.final``."""
     for prefix, stack in (("enc", model.encoder), ("dec", model.decoder)):
         for index, layer in enumerate(stack.layers):
-            for attr, role, short in LAYER_NORM_SLOTS:
-                if getattr(layer, attr, None) is not None:
-                    yield layer, attr, role, f"{prefix}{index}.{short}"
-            for attn_attr, attn_short in ATTENTION_NORM_SLOTS:
-                attn = getattr(layer, attn_attr, None)
-                for proj_attr, proj_short in PROJECTION_NORM_SLOTS:
-                    proj = getattr(attn, proj_attr, None) if attn is not None else None
-                    if getattr(proj, "norm", None) is not None:
-                        yield proj, "norm", ATTENTION, f"{prefix}{index}.{attn_short}_{proj_short}"
+            for owner, attr, role, short in layer_norms(layer):
+                yield owner, attr, role, f"{prefix}{index}.{short}"
         for attr, role, short in STACK_NORM_SLOTS:
             if getattr(stack, attr, None) is not None:
                 yield stack, attr, role, f"{prefix}.{short}"
 
 
+def norm_short_names() -> Tuple[str, ...]:
+    """Every short name a norm can log under (after ``encN.``/``decN.``/``enc.``/``dec.``), in
+    forward order within a layer as far as the registry knows it; for figures and tables."""
+    return tuple(short for _, _, short in layer_norm_slots()) + tuple(short for _, _, short in STACK_NORM_SLOTS)
+
+
 def output_norm(model) -> nn.Module:
     """The norm whose output feeds the output layer: the decoder's final norm with PreNorm,
-    the last layer's FFN norm with PostNorm (ResiDual: its final norm of the PreNorm stream)."""
+    the last layer's FFN norm with PostNorm, or a final norm inside the last layer (a
+    placement slot of role FINAL: ResiDual's final norm of the PreNorm stream)."""
     decoder = model.decoder
-    if getattr(decoder.layers[-1], "resi_dual_layer_norm", None) is not None:
-        return decoder.layers[-1].resi_dual_layer_norm
+    inside = [getattr(owner, attr) for owner, attr, role, _ in layer_norms(decoder.layers[-1]) if role == FINAL]
+    if inside:
+        return inside[-1]
     if getattr(decoder, "layer_norm", None) is not None:
         return decoder.layer_norm
     return decoder.layers[-1].final_layer_norm

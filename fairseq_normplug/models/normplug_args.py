@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.extensions import LOADED, load_extensions, needed_sources
 from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
-from fairseq_normplug.models.placement_args import PlacementSettings, add_placement_args, resolve_placement_args
+from fairseq_normplug.models.placement_args import add_placement_args, resolve_placement_args
+from fairseq_normplug.models.placements.layers import LayerPlan
 from fairseq_normplug.models.output_layer_args import (
     OutputLayerSettings,
     add_output_layer_args,
@@ -66,7 +67,7 @@ def add_normplug_args(parser) -> None:
     add_norm_type_args(add, group)
     add_output_layer_args(add)
     add_beyond_args(add)
-    add_placement_args(add)
+    add_placement_args(group)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class NormplugSettings:
     norm_stats_interval: int
     beyond: BeyondSettings
     output: OutputLayerSettings
-    placement: PlacementSettings
+    layer_plan: LayerPlan  # --norm-placement and the modifiers switched on
 
 
 def _flag(name: str) -> str:
@@ -138,9 +139,9 @@ def resolve_normplug_args(args) -> NormplugSettings:
     load_extensions(args.normplug_modules)  # the checkpoint's or the command line's own norms/placements
     norm = resolve_norm_type(args)  # --norm-type, its shorthands, its own flags and refusals
     norm_type = norm.name
-    placement = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm
-    record_extensions(args, [norm.source])
-    prenorm = placement.placement == "pre"
+    layer_plan = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
+    record_extensions(args, [norm.source, *layer_plan.sources])
+    prenorm = layer_plan.placement.name == "pre"
 
     _require(args.norm_eps > 0, f"--norm-eps must be > 0, got {args.norm_eps}")
 
@@ -163,10 +164,10 @@ def resolve_normplug_args(args) -> NormplugSettings:
     _require(args.norm_stats_interval >= 0,
              f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
 
-    beyond = resolve_beyond_args(args, norm_type, prenorm, weight_init_given)
+    beyond = resolve_beyond_args(args, norm_type, layer_plan.placement, weight_init_given)
     output = resolve_output_layer_args(args)
 
     return NormplugSettings(prenorm=prenorm, norm=norm, fixnorm=args.fixnorm,
                             weight_init=weight_init,
                             norm_stats_interval=args.norm_stats_interval, beyond=beyond, output=output,
-                            placement=placement)
+                            layer_plan=layer_plan)

@@ -9,19 +9,29 @@ vocabulary mask), and, after the stock build, norm replacement (``install_norms`
 re-initialisation, the output bias, then the later designs (docs/beyond.md): DeepNorm's
 init, residual scaling through each layer's ``residual_connection`` hook, QKNorm's q/k
 projections and the learnable embedding scale.
+
+``--norm-placement`` and its modifiers are built where fairseq builds layers: ``build_encoder``
+/ ``build_decoder`` give the stacks the resolved :class:`LayerPlan`, and the stacks'
+``build_encoder_layer`` / ``build_decoder_layer`` hooks build each layer from it
+(``models/placements/layers.py``). fairseq's build chain hands those classmethods only its
+``TransformerConfig`` (which, from a hydra DictConfig, keeps none of the plugin's fields), so
+the plan resolved in :meth:`TransformerNormplugModel.build_model` travels beside it in
+:data:`BUILDING_LAYER_PLAN`, a ContextVar set for the duration of that one call.
 """
+from contextvars import ContextVar
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from fairseq.models import register_model
-from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
+from fairseq.models.transformer import TransformerConfig, TransformerModel
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
-from fairseq_normplug.models.placements import (apply_placement_init, install_layernorm_scaling, install_normformer,
-                                                 install_placement)
+from fairseq_normplug.models.placements.layers import LayerPlan, PlacedDecoder, PlacedEncoder
 from fairseq_normplug.modules.auto_init import AutoScaleInit
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
 from fairseq_normplug.modules.embed_scale import make_embed_scale_learnable
@@ -36,6 +46,8 @@ from fairseq_normplug.optim.norm_weight_decay import mark_norm_parameters
 #: ~e^-30 of the least likely word, so pad is never predicted, while label smoothing
 #: (which sums log-probabilities over the whole vocabulary) stays finite
 PAD_LOGIT_MARGIN = 30.0
+#: the layer plan of the model being built (None: fairseq's own stacks), see the module docstring
+BUILDING_LAYER_PLAN: ContextVar[Optional[LayerPlan]] = ContextVar("BUILDING_LAYER_PLAN", default=None)
 
 
 def mask_padding_logit(logits: torch.Tensor, padding_idx: int) -> torch.Tensor:
@@ -55,7 +67,7 @@ def apply_target_vocab_mask(decoder, logits: torch.Tensor) -> torch.Tensor:
     return logits if mask is None else mask(logits)
 
 
-class FixNormTransformerDecoder(TransformerDecoderBase):
+class FixNormTransformerDecoder(PlacedDecoder):
     """Decoder whose tied output layer uses the l2-normalised embedding rows (eq. 6):
     logits are cosines scaled by the norm of the final hidden state (plus the output bias
     with ``--output-bias``, then the target vocabulary mask with ``--target-vocab-mask``)."""
@@ -70,7 +82,7 @@ class FixNormTransformerDecoder(TransformerDecoderBase):
         return apply_target_vocab_mask(self, mask_padding_logit(logits, self.padding_idx))
 
 
-class TargetVocabMaskTransformerDecoder(TransformerDecoderBase):
+class TargetVocabMaskTransformerDecoder(PlacedDecoder):
     """fairseq's decoder whose logits go through ``target_vocab_mask`` (``--target-vocab-mask``
     without FixNorm): same modules and parameters as the stock decoder, plus the mask buffer."""
 
@@ -113,13 +125,15 @@ class TransformerNormplugModel(TransformerModel):
         beyond, output = settings.beyond, settings.output
         g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         allowed = build_allowed_types(args, task) if output.target_vocab_mask else None
-        model = super().build_model(args, task)
-        install_placement(model, settings.placement)  # --norm-placement; post/pre: as built
-        install_normformer(model, settings.placement)  # --normformer: NormFormer's norms and head scales
+        layer_plan = settings.layer_plan
+        building = BUILDING_LAYER_PLAN.set(None if layer_plan.is_stock else layer_plan)
+        try:
+            model = super().build_model(args, task)  # layers: build_encoder / build_decoder below
+        finally:
+            BUILDING_LAYER_PLAN.reset(building)
         install_norms(model, args)
-        install_layernorm_scaling(model, settings.placement.layernorm_scaling)
         apply_model_init(model, settings.weight_init)
-        apply_placement_init(model, settings.placement)  # b2t: the authors' rescaled init
+        layer_plan.finish_model(model)  # b2t: the authors' rescaled init; --layernorm-scaling's hooks
         if output.output_bias:
             add_output_bias(model.decoder)
         if output.target_vocab_mask:
@@ -154,15 +168,26 @@ class TransformerNormplugModel(TransformerModel):
         return FixNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
     @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        layer_plan = BUILDING_LAYER_PLAN.get()
+        if layer_plan is None:
+            return super().build_encoder(args, src_dict, embed_tokens)
+        return PlacedEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens, layer_plan)
+
+    @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
+        layer_plan = BUILDING_LAYER_PLAN.get()
         if getattr(args, "fixnorm", False):
             decoder_class = FixNormTransformerDecoder
         elif getattr(args, "target_vocab_mask", False):
             decoder_class = TargetVocabMaskTransformerDecoder
+        elif layer_plan is not None:
+            decoder_class = PlacedDecoder
         else:
             return super().build_decoder(args, tgt_dict, embed_tokens)
         cfg = TransformerConfig.from_namespace(args)
-        return decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+        return decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention,
+                             layer_plan=layer_plan)
 
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)

@@ -1,66 +1,31 @@
 """Where the norms of a Transformer layer sit and how its residuals add up (``--norm-placement``),
-registered in one place: ``PLACEMENTS`` maps each name to the function that turns a freshly
-built stock fairseq model (PostNorm, or PreNorm for ``pre``) into that placement.
+and the modifiers on top of a placement (``--normformer``, ``--layernorm-scaling``).
 
-* ``post``: x <- LN(x + F(x)), fairseq's PostNorm; ``pre``: x <- x + F(LN(x)) plus a final norm
-  per stack, fairseq's PreNorm (``--encoder/decoder-normalize-before``). Both are the stock
-  model as built (nothing is installed).
-* ``sandwich`` (Peri-LN), ``mix`` (Mix-LN), ``b2t`` (B2T connection), ``resi-dual``
-  (ResiDual), ``hybrid`` (HybridNorm): one module each, with the paper and formula in its
-  docstring.
-* ``--normformer`` (NormFormer, on top of ``pre``): a norm after self-attention, per-head
-  scales before the attention's output projection and a norm after the FFN's activation
-  (``normformer.py``), installed by :func:`install_normformer`.
+Each placement and modifier is one class in one file here, registered by name with
+:func:`register_placement` / :func:`register_modifier` (``base.py`` documents the interface:
+flags, refusals, norm slots, layer build, forward wiring, extra init). Everything else reads
+the registry: the flags (``--norm-placement``'s choices), the norm slot tables
+(``models/norm_placement.py``), the layer build hooks (``layers.py``), the results tables'
+labels and the figures. A researcher's own placement, in a module outside the package, uses
+the same two decorators (docs/placements.md).
 
-Adding a placement: one small module with ``install(model, settings)`` (a layer mixin defining
-``sublayers``, put on each layer by ``base.swap_layer_class``), one line
-here (and one in ``PLACEMENT_INITS`` if its authors change the init), its new norm attributes in ``models/norm_placement.py``'s slot tables, and its refusals
-in ``models/placement_args.py``. Extra norms are built as LayerNorms and converted with all
-others by ``install_norms``, so every ``--norm-type`` works.
+Adding a built-in: one file here and its line below (the import registers it; the order of
+the lines is the order of the choices).
 """
-from typing import Callable, Dict
-
-from fairseq_normplug.models.placements import b2t, hybrid, mix, normformer, resi_dual, sandwich
-from fairseq_normplug.models.placements.layernorm_scaling import install_layernorm_scaling
-
-
-def _stock(model, settings) -> None:
-    """``post`` and ``pre`` are fairseq's own layers as built."""
+from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBLAYER_NORMS, LayerDesign, Modifier,
+                                                    Placement, layer_norm_slots, new_norm, register_modifier,
+                                                    register_placement, registered_designs, set_final_norm)
+from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b2t, mix, hybrid  # noqa: F401,E402
+from fairseq_normplug.models.placements import normformer, layernorm_scaling  # noqa: F401,E402
 
 
-PLACEMENTS: Dict[str, Callable] = {
-    "post": _stock,
-    "pre": _stock,
-    "sandwich": sandwich.install,
-    "resi-dual": resi_dual.install,
-    "b2t": b2t.install,
-    "mix": mix.install,
-    "hybrid": hybrid.install,
-}
-PLACEMENT_NAMES = tuple(PLACEMENTS)
-#: the placements whose authors change the init (applied after ``--weight-init``)
-PLACEMENT_INITS: Dict[str, Callable] = {"b2t": b2t.rescale_init}
+def placement_label(name: str, modifiers=()) -> str:
+    """A results table's label of ``--norm-placement name`` with the ``modifiers`` switched on
+    (``prenorm``, ``prenorm+normformer``); a name that is not registered is its own label."""
+    placement = PLACEMENTS.get(name)
+    return "+".join([placement.label if placement else name, *modifiers])
 
 
-def install_placement(model, settings) -> None:
-    """Give ``model`` (just built by fairseq) the placement ``settings.placement``
-    (a :class:`fairseq_normplug.models.placement_args.PlacementSettings`)."""
-    PLACEMENTS[settings.placement](model, settings)
-
-
-def install_normformer(model, settings) -> None:
-    """``--normformer``: NormFormer's norms and head scales on the PreNorm ``model`` (nothing
-    without the flag; ``placement_args`` refuses it with any other placement)."""
-    if settings.normformer:
-        normformer.install(model)
-
-
-def apply_placement_init(model, settings) -> None:
-    """The placement's own init step, if it has one (``PLACEMENT_INITS``)."""
-    init = PLACEMENT_INITS.get(settings.placement)
-    if init is not None:
-        init(model)
-
-
-__all__ = ["PLACEMENTS", "PLACEMENT_NAMES", "PLACEMENT_INITS", "install_placement", "apply_placement_init",
-           "install_layernorm_scaling", "install_normformer"]
+__all__ = ["PLACEMENTS", "MODIFIERS", "SUBLAYER_NORMS", "LayerDesign", "Placement", "Modifier", "register_placement",
+           "register_modifier", "registered_designs", "layer_norm_slots", "new_norm", "set_final_norm",
+           "placement_label"]

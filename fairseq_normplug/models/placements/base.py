@@ -1,150 +1,71 @@
-"""What every placement layer shares: fairseq's own sublayers as plain functions F(x), and the
-class swap that gives a built fairseq layer a placement's forward.
+"""The extension interface of ``--norm-placement``: a placement is one class, registered by
+name with :func:`register_placement`, that owns everything about itself. A modifier (a switch
+on top of a placement, such as ``--normformer``) is the same kind of object, registered with
+:func:`register_modifier`. Both are stable, public interfaces: a researcher's own module
+outside the package uses them exactly as the built-ins do (docs/placements.md).
 
-A placement is a mixin that :func:`swap_layer_class` puts, with the encoder or decoder forward
-below, in front of fairseq's ``TransformerEncoderLayerBase`` / ``TransformerDecoderLayerBase``
-(``layer.__class__`` is swapped after the stock build, as ``modules/residual_scale.py`` does). Its ``forward`` keeps fairseq's signature and return
-values and runs the sublayers through :meth:`PlacementLayer.sublayers`, which each
-placement defines: it gets the layer input and the list ``[(kind, F), ...]`` with kind
-``attn`` (self-attention), ``cross`` (decoder cross-attention, when present) and ``ffn``,
-and says where the norms sit and how the residuals add up. The sublayers are fairseq's own
-modules (``self_attn``, ``encoder_attn``, ``fc1``/``fc2``), so norm types, inits, QKNorm and
-the ``residual_connection`` hook (``--residual-scale``) keep working; F(x) is returned
-without dropout, the placement applies ``dropout_module`` to the branch.
+A :class:`Placement` subclass may define (every member is optional):
+
+* ``add_args(parser)`` (classmethod): its own flags, on the argument group ``parser``; their
+  defaults in ``defaults`` ({dest: value}, filled in when a flag is absent, e.g. in an old
+  checkpoint's args); a flag in ``defaults`` given while the placement is not chosen is refused;
+* ``__init__(self, args)``: read its resolved flags from fairseq's parsed ``args`` and refuse,
+  with :meth:`refuse` (one line), every combination its paper does not define;
+* ``norm_slots``: the norms it adds to a layer, ``(path, role, short)``: ``path`` relative to
+  the layer (dots for submodules: ``self_attn.q_proj.norm``), ``role`` ATTENTION/FFN/FINAL,
+  ``short`` the name it logs under (``enc0.<short>``); listed norms get the chosen
+  ``--norm-type`` (``install_norms``), norm statistics, ``auto`` inits and norm weight decay;
+* ``build_layer(layer, index, num_layers)``: change a freshly built fairseq layer (before
+  fairseq's ``--checkpoint-activations`` / FSDP wrappers): add norms with :func:`new_norm`;
+* ``final_norm``: True gives every stack PreNorm's final norm (``layer_norm``), or
+  ``build_stack(stack)`` for anything else once a stack is built;
+* ``sublayers(layer, x, sublayers)``: the forward wiring. ``sublayers`` is the list
+  ``[(kind, F), ...]`` of the layer's sublayers (kind ``attn``, ``cross`` when the decoder
+  layer has cross-attention, ``ffn``); F(h) is fairseq's own sublayer without dropout. It
+  returns the layer's output; ``layer.norm(kind)`` is fairseq's norm of that sublayer,
+  ``layer.dropout_module`` and ``layer.residual_connection`` fairseq's dropout and residual
+  hook. With ``stock_forward = True`` the layers keep fairseq's own forward instead;
+* ``finish_model(model)``: a last step once every norm has its type and ``--weight-init`` was
+  applied (the authors' own init, hooks on the final norm modules);
+* ``keeps_final_norm`` (refuse ``--no-decoder-final-norm``), ``pure_postnorm`` (DeepNorm and
+  Admin accept it), ``label`` (the results tables' label; default the name).
+
+A :class:`Modifier` has the same members, is switched on by its own flag ``--<name>`` (which
+its ``add_args`` adds, ``store_true``; see ``enabled``), and gets the chosen placement in
+``__init__(self, args, placement)``; ``sublayer_forward = True`` makes the layers run the
+placement's ``sublayers`` (fairseq's forward would skip its modules).
 """
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Sequence, Tuple, Type
 
-import torch
 from torch import Tensor, nn
 
 from fairseq.modules import LayerNorm
 
-#: the norm fairseq builds for each sublayer (PreNorm: before it, PostNorm: after the residual)
-SUBLAYER_NORMS = {"attn": "self_attn_layer_norm", "cross": "encoder_attn_layer_norm", "ffn": "final_layer_norm"}
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL
 
-Sublayers = List[Tuple[str, Callable[[Tensor], Tensor]]]
+Sublayers = Sequence[Tuple[str, Callable[[Tensor], Tensor]]]
+PlacementSlot = Tuple[str, str, str]  # (path relative to the layer, role, short name)
+
+#: fairseq's own norm of each sublayer, on every layer (PreNorm: before it, PostNorm: after the residual)
+SUBLAYER_NORMS = {"attn": "self_attn_layer_norm", "cross": "encoder_attn_layer_norm", "ffn": "final_layer_norm"}
+STOCK_LAYER_SLOTS: Tuple[PlacementSlot, ...] = (
+    ("self_attn_layer_norm", ATTENTION, "attn"),
+    ("encoder_attn_layer_norm", ATTENTION, "cross"),
+    ("final_layer_norm", FFN, "ffn"),
+)
 
 
 def new_norm(dim: int, role: str) -> nn.Module:
     """An extra norm, built as fairseq builds its own (a LayerNorm); ``install_norms`` then turns
     it into the chosen ``--norm-type`` with every other norm of the model (it must be listed in
-    ``norm_placement``'s slot tables)."""
+    the placement's ``norm_slots``)."""
     return LayerNorm(dim)
 
 
-class PlacementLayer:
-    """Mixin of a fairseq encoder or decoder layer whose sublayers go through ``sublayers``."""
-
-    def sublayers(self, x: Tensor, sublayers: Sublayers) -> Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def feed_forward(self, x: Tensor) -> Tensor:
-        """fairseq's FFN block without dropout on its output: fc2(act_dropout(act(fc1(x))))."""
-        x = self.activation_fn(self.fc1(x))
-        x = self.activation_dropout_module(x)
-        if getattr(self, "ffn_layernorm", None) is not None:
-            x = self.ffn_layernorm(x)
-        return self.fc2(x)
-
-    def norm(self, kind: str) -> nn.Module:
-        return getattr(self, SUBLAYER_NORMS[kind])
-
-
-class PlacementEncoderLayer(PlacementLayer):
-    """``TransformerEncoderLayerBase.forward`` with the sublayers run by ``sublayers``."""
-
-    def forward(self, x, encoder_padding_mask, attn_mask=None):
-        if attn_mask is not None:  # as fairseq does
-            attn_mask = attn_mask.masked_fill(attn_mask.to(torch.bool), -1e8 if x.dtype == torch.float32 else -1e4)
-
-        def self_attention(h):
-            out = self.self_attn(query=h, key=h, value=h, key_padding_mask=encoder_padding_mask,
-                                 need_weights=False, attn_mask=attn_mask)[0]
-            attn_ln = getattr(self, "attn_ln", None)  # NormFormer's post-attention norm
-            return out if attn_ln is None else attn_ln(out)
-
-        return self.sublayers(x, [("attn", self_attention), ("ffn", self.feed_forward)])
-
-
-class PlacementDecoderLayer(PlacementLayer):
-    """``TransformerDecoderLayerBase.forward`` (incremental state, cached self-attention keys,
-    cross-self-attention, attention weights) with the sublayers run by ``sublayers``."""
-
-    def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None,
-                prev_self_attn_state=None, prev_attn_state=None, self_attn_mask=None,
-                self_attn_padding_mask=None, need_attn: bool = False, need_head_weights: bool = False):
-        if need_head_weights:
-            need_attn = True
-        weights: Dict[str, Tensor] = {}
-
-        def self_attention(h):
-            mask, padding = self_attn_mask, self_attn_padding_mask
-            if prev_self_attn_state is not None:
-                saved = {"prev_key": prev_self_attn_state[0], "prev_value": prev_self_attn_state[1]}
-                if len(prev_self_attn_state) >= 3:
-                    saved["prev_key_padding_mask"] = prev_self_attn_state[2]
-                self.self_attn._set_input_buffer(incremental_state, saved)
-            buffer = self.self_attn._get_input_buffer(incremental_state)
-            if self.cross_self_attention and not (incremental_state is not None and buffer is not None
-                                                  and "prev_key" in buffer):
-                if mask is not None:
-                    mask = torch.cat((h.new_zeros(h.size(0), encoder_out.size(0)), mask), dim=1)
-                if padding is not None:
-                    enc_padding = encoder_padding_mask
-                    if enc_padding is None:
-                        enc_padding = padding.new_zeros(encoder_out.size(1), encoder_out.size(0))
-                    padding = torch.cat((enc_padding, padding), dim=1)
-                y = torch.cat((encoder_out, h), dim=0)
-            else:
-                y = h
-            out, _ = self.self_attn(query=h, key=y, value=y, key_padding_mask=padding,
-                                    incremental_state=incremental_state, need_weights=False, attn_mask=mask)
-            if self.c_attn is not None:
-                tgt_len, bsz = out.size(0), out.size(1)
-                out = torch.einsum("tbhd,h->tbhd", out.view(tgt_len, bsz, self.nh, self.head_dim), self.c_attn)
-                out = out.reshape(tgt_len, bsz, self.embed_dim)
-            if self.attn_ln is not None:
-                out = self.attn_ln(out)
-            return out
-
-        def cross_attention(h):
-            if prev_attn_state is not None:
-                saved = {"prev_key": prev_attn_state[0], "prev_value": prev_attn_state[1]}
-                if len(prev_attn_state) >= 3:
-                    saved["prev_key_padding_mask"] = prev_attn_state[2]
-                self.encoder_attn._set_input_buffer(incremental_state, saved)
-            out, attn = self.encoder_attn(query=h, key=encoder_out, value=encoder_out,
-                                          key_padding_mask=encoder_padding_mask,
-                                          incremental_state=incremental_state, static_kv=True,
-                                          need_weights=need_attn or (not self.training and self.need_attn),
-                                          need_head_weights=need_head_weights)
-            weights["attn"] = attn
-            return out
-
-        sublayers: Sublayers = [("attn", self_attention)]
-        if self.encoder_attn is not None and encoder_out is not None:
-            sublayers.append(("cross", cross_attention))
-        sublayers.append(("ffn", self.feed_forward))
-        x = self.sublayers(x, sublayers)
-        return x, weights.get("attn"), None
-
-
-_CLASSES: Dict[Tuple[type, type], type] = {}
-
-
-def swap_layer_class(layer: nn.Module, mixin: type) -> None:
-    """Put the placement's ``mixin`` (its ``sublayers``) and the encoder or decoder forward
-    (:class:`PlacementEncoderLayer` / :class:`PlacementDecoderLayer`) in front of ``layer``'s
-    class; e.g. ``B2TLayer`` on fairseq's decoder layer gives ``B2TDecoderLayer...``."""
-    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
-
-    decoder = isinstance(layer, TransformerDecoderLayerBase)
-    cls = type(layer)
-    if (mixin, cls) not in _CLASSES:
-        stack_forward = PlacementDecoderLayer if decoder else PlacementEncoderLayer
-        name = mixin.__name__.removesuffix("Layer") + ("DecoderLayer" if decoder else "EncoderLayer") + cls.__name__
-        _CLASSES[(mixin, cls)] = type(name, (mixin, stack_forward, cls), {})
-    layer.__class__ = _CLASSES[(mixin, cls)]
+def flag(dest: str) -> str:
+    """``mix_ln_ratio`` -> ``--mix-ln-ratio``."""
+    return "--" + dest.replace("_", "-")
 
 
 def set_final_norm(stack: nn.Module, norm) -> None:
@@ -162,6 +83,131 @@ def set_final_norm(stack: nn.Module, norm) -> None:
         stack.layer_norm = None
 
 
-def stacks(model):
-    """(encoder, decoder) of ``model``."""
-    return model.encoder, model.decoder
+class LayerDesign:
+    """What placements and modifiers share (see the module docstring)."""
+
+    name: str = ""  # set by the registering decorator
+    #: the label of a results table's row (``experiments/tables.py``); default: ``name``
+    label: str = ""
+    defaults: Dict[str, object] = {}
+    norm_slots: Tuple[PlacementSlot, ...] = ()
+    final_norm = False
+
+    @classmethod
+    def add_args(cls, parser) -> None:
+        """Add the design's own flags to the argument group ``parser``."""
+
+    @staticmethod
+    def refuse(message: str) -> None:
+        """Refuse a combination: one line, before anything is built."""
+        raise NormplugError(message)
+
+    def describe(self) -> str:
+        """The flags that chose this design, for messages."""
+        return f"--{self.name}"
+
+    def refuse_xformers(self, args, reason: str) -> None:
+        """Refuse fairseq's xFormers attention configs (they bypass fairseq's attention modules)."""
+        for name in ("encoder_xformers_att_config", "decoder_xformers_att_config"):
+            if getattr(args, name, None):
+                self.refuse(f"{flag(name)} cannot be combined with {self.describe()}: {reason}")
+
+    def build_layer(self, layer: nn.Module, index: int, num_layers: int) -> None:
+        """Change layer ``index`` (0-based) of a stack of ``num_layers``, freshly built by fairseq."""
+
+    def build_stack(self, stack: nn.Module) -> None:
+        """Change a stack (encoder or decoder) once its layers are built."""
+        if self.final_norm:
+            set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL))
+
+    def finish_model(self, model: nn.Module) -> None:
+        """A last step on the built model (norm types installed, ``--weight-init`` applied)."""
+
+
+class Placement(LayerDesign):
+    """Where the norms of a layer sit and how its residuals add up (``--norm-placement``)."""
+
+    #: the model is fairseq's own, stacks and layers untouched (``post``, ``pre``)
+    stock_model = False
+    #: the layers keep fairseq's own forward (``post``, ``pre``, ``mix``)
+    stock_forward = False
+    #: the formula ends each stack with a norm: ``--no-decoder-final-norm`` is refused
+    keeps_final_norm = False
+    #: every residual addition is followed by a norm, x <- LN(x + F(x)), in both stacks: the
+    #: placement DeepNorm and Admin (``--residual-scale``) are defined for
+    pure_postnorm = False
+
+    def __init__(self, args):
+        if getattr(args, "no_decoder_final_norm", False) and (self.final_norm or self.keeps_final_norm):
+            self.refuse(f"--no-decoder-final-norm cannot be combined with {self.describe()}: its "
+                        f"formula ends each stack with a final norm")
+
+    def sublayers(self, layer: nn.Module, x: Tensor, sublayers: Sublayers) -> Tensor:
+        raise NotImplementedError(f"--norm-placement {self.name} keeps fairseq's own layer forward")
+
+    def describe(self) -> str:
+        return f"--norm-placement {self.name}"
+
+    def refuse_tfixup(self, args) -> None:
+        """Refuse ``--weight-init tfixup`` for a placement without single x + F(x) residuals."""
+        if getattr(args, "weight_init", None) == "tfixup":
+            self.refuse(f"--weight-init tfixup cannot be combined with {self.describe()}: T-Fixup's "
+                        f"scaling is derived for single x + F(x) residuals")
+
+
+class Modifier(LayerDesign):
+    """A switch on top of a placement (its flag is ``--<name>``)."""
+
+    sublayer_forward = False
+
+    def __init__(self, args, placement: Placement):
+        """Read the modifier's flags from ``args``; refuse what ``placement`` does not define."""
+
+    @classmethod
+    def enabled(cls, args) -> bool:
+        return bool(getattr(args, cls.name.replace("-", "_"), False))
+
+
+#: {name: class}, in registration order (the order of ``--norm-placement``'s choices)
+PLACEMENTS: Dict[str, Type[Placement]] = {}
+MODIFIERS: Dict[str, Type[Modifier]] = {}
+
+
+def _register(registry: Dict[str, type], base: type, kind: str, name: str):
+    def register(cls):
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise NormplugError(f"{kind} {name!r}: {cls!r} is not a subclass of "
+                                f"fairseq_normplug.models.placements.{base.__name__}")
+        if name in registry and registry[name] is not cls:
+            raise NormplugError(f"{kind} {name!r} is already registered (by {registry[name].__module__}); "
+                                f"choose another name")
+        cls.name = name
+        cls.label = cls.__dict__.get("label") or name
+        registry[name] = cls
+        return cls
+    return register
+
+
+def register_placement(name: str):
+    """Class decorator: register a :class:`Placement` subclass as ``--norm-placement NAME``."""
+    return _register(PLACEMENTS, Placement, "placement", name)
+
+
+def register_modifier(name: str):
+    """Class decorator: register a :class:`Modifier` subclass, switched on by ``--NAME``."""
+    return _register(MODIFIERS, Modifier, "modifier", name)
+
+
+def registered_designs():
+    """Every registered placement and modifier class, placements first."""
+    return (*PLACEMENTS.values(), *MODIFIERS.values())
+
+
+def layer_norm_slots() -> Tuple[PlacementSlot, ...]:
+    """fairseq's own layer norms, then each registered design's (no short name twice)."""
+    slots, seen = [], set()
+    for slot in STOCK_LAYER_SLOTS + tuple(s for design in registered_designs() for s in design.norm_slots):
+        if slot[2] not in seen:
+            seen.add(slot[2])
+            slots.append(slot)
+    return tuple(slots)

@@ -23,9 +23,12 @@ incremental-decoding cache holds normalised keys and values. The authors' Hybrid
 import torch.nn.functional as F
 from torch import nn
 
-from fairseq_normplug.modules.norm_registry import ATTENTION, FINAL
+from fairseq_normplug.modules.norm_registry import ATTENTION
 
-from fairseq_normplug.models.placements.base import new_norm, set_final_norm, stacks, swap_layer_class
+from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
+
+ATTENTIONS = (("self_attn", "self_attn_layer_norm", "attn"), ("encoder_attn", "encoder_attn_layer_norm", "cross"))
+PROJECTIONS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"))
 
 
 class NormedProjection(nn.Linear):
@@ -45,29 +48,37 @@ class NormedProjection(nn.Linear):
         return self.norm(y.view(*y.shape[:-1], self.num_heads, -1)).view(y.shape)
 
 
-class HybridLayer:
-    def sublayers(self, x, sublayers):
+@register_placement("hybrid")
+class HybridNorm(Placement):
+    norm_slots = tuple((f"{attn}.{proj}.norm", ATTENTION, f"{short}_{proj_short}")
+                       for attn, _, short in ATTENTIONS for proj, proj_short in PROJECTIONS)
+    final_norm = True
+
+    def __init__(self, args):
+        super().__init__(args)
+        if getattr(args, "qknorm", False):
+            self.refuse(f"--qknorm cannot be combined with {self.describe()}: HybridNorm already "
+                        f"normalises q and k (QKV-norm); drop one of them")
+        if getattr(args, "quant_noise_pq", 0):
+            self.refuse(f"--quant-noise-pq {args.quant_noise_pq} cannot be combined with {self.describe()}: "
+                        f"the QKV norms replace the projections that quant-noise hooks into")
+        self.refuse_xformers(args, "xFormers attention reads the q/k/v weights and would skip the QKV norms")
+
+    def build_layer(self, layer, index, num_layers):
+        for attn_name, norm_name, _ in ATTENTIONS:
+            attn = getattr(layer, attn_name, None)
+            if attn is None:
+                continue
+            for proj, _ in PROJECTIONS:
+                setattr(attn, proj, NormedProjection(getattr(attn, proj), attn.num_heads))
+            # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read the
+            # projection weights directly; this switch makes every call use the modules
+            attn._set_skip_embed_dim_check()
+            setattr(layer, norm_name, None)
+
+    def sublayers(self, layer, x, sublayers):
         for kind, sublayer in sublayers:
             if kind == "ffn":
-                x = self.final_layer_norm(x)
-            x = self.residual_connection(self.dropout_module(sublayer(x)), x)
+                x = layer.final_layer_norm(x)
+            x = layer.residual_connection(layer.dropout_module(sublayer(x)), x)
         return x
-
-
-
-def install(model, settings) -> None:
-    for stack in stacks(model):
-        for layer in stack.layers:
-            for attn_name, norm_name in (("self_attn", "self_attn_layer_norm"),
-                                         ("encoder_attn", "encoder_attn_layer_norm")):
-                attn = getattr(layer, attn_name, None)
-                if attn is None:
-                    continue
-                for proj in ("q_proj", "k_proj", "v_proj"):
-                    setattr(attn, proj, NormedProjection(getattr(attn, proj), attn.num_heads))
-                # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read the
-                # projection weights directly; this switch makes every call use the modules
-                attn._set_skip_embed_dim_check()
-                setattr(layer, norm_name, None)
-            swap_layer_class(layer, HybridLayer)
-        set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL))

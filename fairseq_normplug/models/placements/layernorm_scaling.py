@@ -1,21 +1,22 @@
 """LayerNorm Scaling (Sun, Song, Li, Yin, Zheng & Liu 2025, "The Curse of Depth in Large
-Language Models", eq. 9): the output of every norm inside layer l (1-based, counted per
-stack) is multiplied by 1/sqrt(l),
+Language Models", eq. 9): in a PreNorm model, the output of every norm inside layer l
+(1-based, counted per stack) is multiplied by 1/sqrt(l),
 
     LN_l(x) = LN(x) / sqrt(l),
 
 which keeps the output variance of deep PreNorm layers from growing with depth. It acts
 through a forward hook on each norm of a layer (the norms stay the modules they are: names,
-parameters and checkpoints unchanged); the stacks' final norms (``enc.final``, ``dec.final``,
-ResiDual's ``resi_final``) and the embedding norms are not inside a layer and are not scaled.
-It composes with every placement and norm type (``--layernorm-scaling``).
+parameters and checkpoints unchanged), NormFormer's included; the stacks' final norms and the
+embedding norms are not inside a layer and are not scaled. The paper defines it for Pre-LN
+layers only: with any other placement some scaled norm sits on the residual stream itself
+(PostNorm, B2T, ResiDual's PostNorm stream, Mix-LN's PostNorm layers), scales q and k
+(HybridNorm) or the branch after its output norm (Sandwich), which no paper defines.
 """
 import math
-import re
-from typing import Dict
 
-#: names (``norm_placement.named_norms``) of norms that sit outside the layers
-OUTSIDE_LAYERS = (".final", ".embed", ".resi_final")
+from fairseq_normplug.modules.norm_registry import FINAL
+
+from fairseq_normplug.models.placements.base import Modifier, register_modifier
 
 
 class ScaleOutput:
@@ -28,22 +29,27 @@ class ScaleOutput:
         return output * self.scale
 
 
-def layer_scales(named_norms: Dict[str, object]) -> Dict[str, float]:
-    """{norm name: 1/sqrt(l)} for the norms inside layers (``enc0.attn`` is in layer l = 1)."""
-    scales = {}
-    for name in named_norms:
-        found = re.match(r"^(enc|dec)(\d+)\.", name)
-        if found and not name.endswith(OUTSIDE_LAYERS):
-            scales[name] = 1.0 / math.sqrt(int(found.group(2)) + 1)
-    return scales
+@register_modifier("layernorm-scaling")
+class LayerNormScaling(Modifier):
+    @classmethod
+    def add_args(cls, parser):
+        parser.add_argument(
+            "--layernorm-scaling", action="store_true",
+            help="LayerNorm Scaling (The Curse of Depth, Sun et al. 2025): the output of every norm in "
+                 "layer l (1-based, per stack) times 1/sqrt(l); PreNorm only (--prenorm)")
 
+    def __init__(self, args, placement):
+        super().__init__(args, placement)
+        if placement.name != "pre":
+            self.refuse(f"--layernorm-scaling cannot be combined with {placement.describe()}: LayerNorm "
+                        f"Scaling is defined for PreNorm layers (Sun et al. 2025); use --prenorm")
 
-def install_layernorm_scaling(model, enabled: bool) -> None:
-    """Hook 1/sqrt(l) onto the output of every norm inside a layer of ``model``."""
-    if not enabled:
-        return
-    from fairseq_normplug.models.norm_placement import named_norms
+    def finish_model(self, model):
+        """Hook 1/sqrt(l) onto the output of every norm inside layer l (its final type)."""
+        from fairseq_normplug.models.norm_placement import layer_norms
 
-    norms = named_norms(model)
-    for name, scale in layer_scales(norms).items():
-        norms[name].register_forward_hook(ScaleOutput(scale))
+        for stack in (model.encoder, model.decoder):
+            for index, layer in enumerate(stack.layers):
+                for owner, attr, role, _ in layer_norms(layer):
+                    if role != FINAL:
+                        getattr(owner, attr).register_forward_hook(ScaleOutput(1.0 / math.sqrt(index + 1)))

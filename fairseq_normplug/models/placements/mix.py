@@ -16,7 +16,9 @@ import math
 
 from fairseq_normplug.modules.norm_registry import FINAL
 
-from fairseq_normplug.models.placements.base import new_norm, set_final_norm, stacks
+from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement, set_final_norm
+
+MIX_LN_DEFAULT_RATIO = 0.25  # Li et al. 2024
 
 
 def post_layers(num_layers: int, ratio: float) -> int:
@@ -24,9 +26,29 @@ def post_layers(num_layers: int, ratio: float) -> int:
     return int(math.floor(ratio * num_layers + 1e-9))
 
 
-def install(model, settings) -> None:
-    for stack in stacks(model):
-        k = post_layers(len(stack.layers), settings.mix_ln_ratio)
-        for index, layer in enumerate(stack.layers):
-            layer.normalize_before = index >= k
-        set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL) if k < len(stack.layers) else None)
+@register_placement("mix")
+class MixLN(Placement):
+    defaults = {"mix_ln_ratio": None}
+    stock_forward = True
+    keeps_final_norm = True
+
+    @classmethod
+    def add_args(cls, parser):
+        parser.add_argument(
+            "--mix-ln-ratio", type=float, metavar="R",
+            help=f"--norm-placement mix: the share R in [0, 1] of each stack's layers (the first "
+                 f"floor(R*L)) that are PostNorm (default {MIX_LN_DEFAULT_RATIO})")
+
+    def __init__(self, args):
+        super().__init__(args)
+        ratio = MIX_LN_DEFAULT_RATIO if args.mix_ln_ratio is None else args.mix_ln_ratio
+        if not 0.0 <= ratio <= 1.0:
+            self.refuse(f"--mix-ln-ratio must be in [0, 1] (the share of PostNorm layers), got {ratio}")
+        self.ratio = args.mix_ln_ratio = ratio
+
+    def build_layer(self, layer, index, num_layers):
+        layer.normalize_before = index >= post_layers(num_layers, self.ratio)
+
+    def build_stack(self, stack):
+        if post_layers(len(stack.layers), self.ratio) < len(stack.layers):
+            set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL))

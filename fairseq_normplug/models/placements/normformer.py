@@ -8,7 +8,7 @@ layer,
 
 LN_post is the layer's ``attn_ln`` (d wide), LN_ffn its ``ffn_layernorm`` (FFN-width wide, after
 fairseq's activation dropout, as in fairseq's ``--scale-fc``): fairseq's own names, listed in
-``norm_placement.LAYER_NORM_SLOTS`` (``encN.attn_inner``, ``encN.ffn_inner``, ...), so every
+:attr:`NormFormer.norm_slots` (``encN.attn_inner``, ``encN.ffn_inner``, ...), so every
 ``--norm-type`` replaces them. The head scales gamma are ``self_attn.out_proj.head_scale``
 (shape (heads,)): :class:`HeadScaledProjection` multiplies each head's slice of the
 concatenated head outputs by its gamma *before* W_O, as the paper's formula says. fairseq's
@@ -28,7 +28,7 @@ from torch import nn
 
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 
-from fairseq_normplug.models.placements.base import new_norm, stacks, swap_layer_class
+from fairseq_normplug.models.placements.base import Modifier, flag, new_norm, register_modifier
 
 
 class HeadScaledProjection(nn.Linear):
@@ -56,17 +56,6 @@ class HeadScaledProjection(nn.Linear):
         return super().extra_repr() + f", heads={self.num_heads} (head_scale before the projection)"
 
 
-class NormFormerLayer:
-    """PreNorm, x <- x + Dropout(F(LN(x))); the self-attention F ends with ``attn_ln`` and the
-    FFN applies ``ffn_layernorm`` (``base.py``'s sublayer functions)."""
-
-    def sublayers(self, x, sublayers):
-        for kind, sublayer in sublayers:
-            x = self.residual_connection(self.dropout_module(sublayer(self.norm(kind)(x))), x)
-        return x
-
-
-
 def _insert_module(owner: nn.Module, name: str, module: nn.Module, *, after: str = None, before: str = None) -> None:
     """Register ``module`` as ``owner.<name>`` right after ``after`` (or before ``before``), so
     the parameter order is fairseq's own (its LM layer registers ``attn_ln`` after
@@ -84,16 +73,49 @@ def _insert_module(owner: nn.Module, name: str, module: nn.Module, *, after: str
         owner._modules[name] = module
 
 
-def install(model) -> None:
-    """Give every encoder and decoder layer of the (PreNorm) ``model`` NormFormer's norms and
-    head scales, and NormFormer's forward."""
-    for stack in stacks(model):
-        for layer in stack.layers:
-            _insert_module(layer, "attn_ln", new_norm(layer.embed_dim, ATTENTION), after="self_attn")
-            _insert_module(layer, "ffn_layernorm", new_norm(layer.fc1.out_features, FFN), before="fc1")
-            attn = layer.self_attn
-            attn.out_proj = HeadScaledProjection(attn.out_proj, attn.num_heads)
-            # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read
-            # out_proj.weight directly; this switch makes every call apply out_proj as a module
-            attn._set_skip_embed_dim_check()
-            swap_layer_class(layer, NormFormerLayer)
+#: fairseq's own NormFormer switches (``transformer_lm`` flags; a namespace may still carry them)
+FAIRSEQ_NORMFORMER = ("scale_attn", "scale_fc", "scale_heads", "scale_resids")
+
+
+@register_modifier("normformer")
+class NormFormer(Modifier):
+    """NormFormer's norms and head scales on every encoder and decoder layer of a PreNorm
+    model; the layers run PreNorm's wiring, x + Dropout(F(LN(x))), where the self-attention F
+    ends with ``attn_ln`` and the FFN applies ``ffn_layernorm`` (``layers.py``)."""
+
+    norm_slots = (("attn_ln", ATTENTION, "attn_inner"), ("ffn_layernorm", FFN, "ffn_inner"))
+    sublayer_forward = True
+
+    @classmethod
+    def add_args(cls, parser):
+        parser.add_argument(
+            "--normformer", action="store_true",
+            help="NormFormer (Shleifer et al. 2021) on PreNorm, encoder and decoder: a norm after "
+                 "self-attention, a learned scale per head applied before the output projection, and "
+                 "a norm after the FFN activation; needs --prenorm (--norm-placement pre)")
+
+    def __init__(self, args, placement):
+        super().__init__(args, placement)
+        if placement.name != "pre":
+            one_stack = [name for name in ("encoder_normalize_before", "decoder_normalize_before")
+                         if getattr(args, name, False)]
+            got = f"only {flag(one_stack[0])}" if one_stack else placement.describe()
+            self.refuse(f"--normformer needs the PreNorm placement (--prenorm / --norm-placement pre), got {got}")
+        given = [name for name in FAIRSEQ_NORMFORMER if getattr(args, name, False)]
+        if given:
+            self.refuse(f"--normformer cannot be combined with fairseq's {flag(given[0])} (its LM NormFormer "
+                        f"switches: {', '.join(map(flag, FAIRSEQ_NORMFORMER))}); drop it")
+        if getattr(args, "no_decoder_final_norm", False):
+            self.refuse("--no-decoder-final-norm cannot be combined with --normformer: NormFormer keeps "
+                        "PreNorm's final norm")
+        self.refuse_xformers(args, "the head scales need fairseq's own attention path (xFormers applies "
+                                   "out_proj's weight itself)")
+
+    def build_layer(self, layer, index, num_layers):
+        _insert_module(layer, "attn_ln", new_norm(layer.embed_dim, ATTENTION), after="self_attn")
+        _insert_module(layer, "ffn_layernorm", new_norm(layer.fc1.out_features, FFN), before="fc1")
+        attn = layer.self_attn
+        attn.out_proj = HeadScaledProjection(attn.out_proj, attn.num_heads)
+        # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read
+        # out_proj.weight directly; this switch makes every call apply out_proj as a module
+        attn._set_skip_embed_dim_check()

@@ -13,36 +13,48 @@ travel concatenated along the feature axis, [x; y] (2d wide; ``return_all_hidden
 are that wide too): the first layer takes the d-wide embedding (y_0 = x_0), the last one
 returns x_N + LN_f(y_N), d wide. LN_f is the last layer's ``resi_dual_layer_norm`` (role
 final norm). No state lives outside the tensors, so incremental decoding and activation
-checkpointing see an ordinary layer function.
+checkpointing see an ordinary layer function. Every layer of the stack takes part in the
+streams, so LayerDrop (which skips layers) is refused, as are residual scalings and T-Fixup
+(each is defined for one x + F(x) residual).
 """
 import torch
 
 from fairseq_normplug.modules.norm_registry import FINAL
 
-from fairseq_normplug.models.placements.base import new_norm, stacks, swap_layer_class
+from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
 
 
-class ResiDualLayer:
-    def sublayers(self, x, sublayers):
-        if self.resi_dual_first:
+@register_placement("resi-dual")
+class ResiDual(Placement):
+    norm_slots = (("resi_dual_layer_norm", FINAL, "resi_final"),)
+    keeps_final_norm = True
+
+    def __init__(self, args):
+        super().__init__(args)
+        residual = getattr(args, "residual_scale", None) or "none"
+        if residual != "none":
+            self.refuse(f"--residual-scale {residual} cannot be combined with {self.describe()}: "
+                        f"ResiDual's two residual streams share each sublayer output unscaled")
+        self.refuse_tfixup(args)
+        for name in ("encoder_layerdrop", "decoder_layerdrop"):
+            if getattr(args, name, 0):
+                self.refuse(f"--{name.replace('_', '-')} {getattr(args, name)} cannot be combined with "
+                            f"{self.describe()}: its two streams run through every layer of the stack")
+
+    def build_layer(self, layer, index, num_layers):
+        layer.resi_dual_first, layer.resi_dual_last = index == 0, index == num_layers - 1
+        if layer.resi_dual_last:
+            layer.resi_dual_layer_norm = new_norm(layer.embed_dim, FINAL)
+
+    def sublayers(self, layer, x, sublayers):
+        if layer.resi_dual_first:
             y = x
         else:
             x, y = x.chunk(2, dim=-1)
         for kind, sublayer in sublayers:
-            branch = self.dropout_module(sublayer(x))
+            branch = layer.dropout_module(sublayer(x))
             y = y + branch
-            x = self.norm(kind)(self.residual_connection(branch, x))
-        if self.resi_dual_last:
-            return x + self.resi_dual_layer_norm(y)
+            x = layer.norm(kind)(layer.residual_connection(branch, x))
+        if layer.resi_dual_last:
+            return x + layer.resi_dual_layer_norm(y)
         return torch.cat([x, y], dim=-1)
-
-
-
-def install(model, settings) -> None:
-    for stack in stacks(model):
-        last = len(stack.layers) - 1
-        for index, layer in enumerate(stack.layers):
-            layer.resi_dual_first, layer.resi_dual_last = index == 0, index == last
-            if index == last:
-                layer.resi_dual_layer_norm = new_norm(layer.embed_dim, FINAL)
-            swap_layer_class(layer, ResiDualLayer)

@@ -10,32 +10,28 @@ plus PreNorm's final norm after each stack (both papers keep it). LN_in are fair
 new ``self_attn_out_layer_norm`` / ``encoder_attn_out_layer_norm`` / ``final_out_layer_norm``.
 Dropout acts on the normalised branch output, before the residual addition.
 """
-from fairseq_normplug.modules.norm_registry import FINAL
+from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 
-from fairseq_normplug.models.placements.base import (new_norm, set_final_norm, stacks,
-                                                    swap_layer_class)
+from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
 
 OUT_NORMS = {"attn": "self_attn_out_layer_norm", "cross": "encoder_attn_out_layer_norm",
              "ffn": "final_out_layer_norm"}
 
 
-class SandwichLayer:
-    def sublayers(self, x, sublayers):
+@register_placement("sandwich")
+class Sandwich(Placement):
+    norm_slots = (("self_attn_out_layer_norm", ATTENTION, "attn_out"),
+                  ("encoder_attn_out_layer_norm", ATTENTION, "cross_out"),
+                  ("final_out_layer_norm", FFN, "ffn_out"))
+    final_norm = True
+
+    def build_layer(self, layer, index, num_layers):
+        for attr, role, _ in self.norm_slots:
+            if attr != OUT_NORMS["cross"] or getattr(layer, "encoder_attn", None) is not None:
+                setattr(layer, attr, new_norm(layer.embed_dim, role))
+
+    def sublayers(self, layer, x, sublayers):
         for kind, sublayer in sublayers:
-            branch = getattr(self, OUT_NORMS[kind])(sublayer(self.norm(kind)(x)))
-            x = self.residual_connection(self.dropout_module(branch), x)
+            branch = getattr(layer, OUT_NORMS[kind])(sublayer(layer.norm(kind)(x)))
+            x = layer.residual_connection(layer.dropout_module(branch), x)
         return x
-
-
-
-def install(model, settings) -> None:
-    from fairseq_normplug.models.norm_placement import LAYER_NORM_SLOTS
-
-    roles = {attr: role for attr, role, _ in LAYER_NORM_SLOTS}
-    for stack in stacks(model):
-        for layer in stack.layers:
-            for kind, attr in OUT_NORMS.items():
-                if kind != "cross" or getattr(layer, "encoder_attn", None) is not None:
-                    setattr(layer, attr, new_norm(layer.embed_dim, roles[attr]))
-            swap_layer_class(layer, SandwichLayer)
-        set_final_norm(stack, new_norm(stack.layers[0].embed_dim, FINAL))
