@@ -3,4 +3,4 @@ registers the norm type ``prmsnorm`` (partial RMSNorm) and the placement ``paral
 (parallel attention and FFN blocks). Load it with ``--normplug-modules PATH/TO/THIS/FOLDER``,
 or install this folder (``pip install examples/normplug_extension``): its entry point
 ``fairseq_normplug.extensions`` then loads it in every fairseq command that uses the plugin."""
-from normplug_extension_example import partial_rms_norm  # noqa: F401
+from normplug_extension_example import parallel_layers, partial_rms_norm  # noqa: F401

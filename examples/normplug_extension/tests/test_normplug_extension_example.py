@@ -35,11 +35,18 @@ def run(*args, check=True, env=None, cwd=None, input_text=None):
     return proc
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def extension():
-    """The extension loaded in this process, as ``--normplug-modules`` does in a command."""
+    """The extension loaded in this process, as ``--normplug-modules`` does in a command; taken
+    out of the registries afterwards, so other test files in this process see the built-ins only."""
+    from fairseq_normplug.extensions import LOADED
+    from fairseq_normplug.models.placements import PLACEMENTS
+
     load_extensions(EXTENSION)
-    return NORM_TYPES["prmsnorm"]
+    yield NORM_TYPES["prmsnorm"]
+    del NORM_TYPES["prmsnorm"], PLACEMENTS["parallel"], LOADED["normplug_extension_example"]
+    for name in [name for name in sys.modules if name.startswith("normplug_extension_example")]:
+        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +116,34 @@ def build_model(corpus, *flags):
 
 
 def placements():
+    """Every registered placement: the built-ins, and ours once the extension is loaded."""
     from fairseq_normplug.models.placements import PLACEMENTS
 
     return list(PLACEMENTS)
 
 
-@pytest.mark.parametrize("placement", placements())
+def test_the_placement_is_registered_beside_the_built_ins():
+    assert placements()[:7] == ["post", "pre", "sandwich", "resi-dual", "b2t", "mix", "hybrid"]
+    assert placements()[-1] == "parallel"
+
+
+def test_parallel_layer_formula(corpus):
+    """x + Attn(LN_attn(x)) + FFN(LN_ffn(x)) for an encoder layer, written out by hand."""
+    model, _ = build_model(corpus, "--norm-placement", "parallel", "--dropout", "0")
+    model.eval()
+    layer = model.encoder.layers[0]
+    x = torch.randn(5, 2, 64)
+    with torch.no_grad():
+        h = layer.self_attn_layer_norm(x)
+        attention = layer.self_attn(query=h, key=h, value=h, key_padding_mask=None, need_weights=False)[0]
+        ffn = layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
+        torch.testing.assert_close(layer(x, encoder_padding_mask=None), x + attention + ffn)
+    assert model.encoder.layer_norm is not None and model.decoder.layer_norm is not None
+    with pytest.raises(NormplugError, match="^--residual-scale rezero cannot be combined with --norm-placement parallel"):
+        build_model(corpus, "--norm-placement", "parallel", "--residual-scale", "rezero")
+
+
+@pytest.mark.parametrize("placement", placements() + ["parallel"])  # collected before the extension is loaded
 def test_every_placement_trains_and_decodes_incrementally(extension, corpus, placement):
     model, task = build_model(corpus, "--norm-type", "prmsnorm", "--prms-p", "0.5", "--norm-placement", placement,
                               "--dropout", "0")
@@ -151,11 +180,13 @@ TRAIN = ["--task", "translation", "--arch", "transformer_normplug_tiny", "--opti
 
 @pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
-    """20 updates of a PreNorm pRMSNorm model, the extension given only on the command line, as a
-    relative path (run from another folder, so nothing but the flag can find it)."""
+    """20 updates of a pRMSNorm model with parallel layers and activation checkpointing, the
+    extension given only on the command line, as a relative path (run from another folder, so
+    nothing but the flag can find it)."""
     save_dir = tmp_path_factory.mktemp("checkpoints")
     proc = run(f"{BIN}/fairseq-train", corpus, "--user-dir", USER_DIR, *TRAIN, "--save-dir", save_dir,
-               "--normplug-modules", os.path.relpath(EXTENSION, save_dir), "--norm-type", "prmsnorm", "--prms-p", "0.25", "--prenorm",
+               "--normplug-modules", os.path.relpath(EXTENSION, save_dir), "--norm-type", "prmsnorm", "--prms-p", "0.25",
+               "--norm-placement", "parallel", "--checkpoint-activations",
                "--norm-stats-interval", "5", cwd=str(save_dir))
     return save_dir, proc.stdout + proc.stderr
 
@@ -171,7 +202,7 @@ def test_fairseq_train_takes_the_norm_and_its_flag_and_records_the_extension(tra
     assert '"train_num_updates": "20"' in log
     assert '"gain:dec.final"' in log and '"in_std:enc1.ffn"' in log  # the norm statistics, as a built-in's
     args = saved_model_args(save_dir / "checkpoint_last.pt")
-    assert args.norm_type == "prmsnorm" and args.prms_p == 0.25
+    assert args.norm_type == "prmsnorm" and args.prms_p == 0.25 and args.norm_placement == "parallel"
     assert args.normplug_modules == EXTENSION  # recorded absolute, so any folder can decode it
 
 
@@ -192,9 +223,11 @@ def test_fairseq_generate_and_the_hub_decode_without_being_told(trained, corpus)
         "from fairseq_normplug.models import TransformerNormplugModel\n"
         "hub = TransformerNormplugModel.from_pretrained(sys.argv[1], 'checkpoint_last.pt', sys.argv[2])\n"
         "norms = [m for m in hub.models[0].modules() if type(m).__name__ == 'PartialRMSNorm']\n"
-        "print(len(norms), {m.partial for m in norms}, repr(hub.translate('w1 w2 w3')))"),
+        "print(len(norms), {m.partial for m in norms}, type(hub.models[0].decoder.layers[1].placement).__name__,\n"
+        "      repr(hub.translate('w1 w2 w3')))"),
         save_dir, corpus, cwd=str(save_dir))
-    count, partial, _ = hub.stdout.strip().splitlines()[-1].split(" ", 2)
+    count, partial, placement, _ = hub.stdout.strip().splitlines()[-1].split(" ", 3)
+    assert placement == "ParallelLayers"
     assert int(count) == 2 * 2 + 2 * 3 + 2 and partial == "{16}"  # 2+2 layers and 2 final norms, d=64, p=0.25
 
 
