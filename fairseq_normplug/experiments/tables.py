@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import MODIFIERS, placement_label
+from fairseq_normplug.modules.norm_registry import NORM_TYPES
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
@@ -74,7 +75,7 @@ DEFAULT_METRIC = "tokenized_bleu"
 CONFIGURATION_KEYS = {
     "placement": "the registered placement's label (postnorm, prenorm, sandwich, ...) with +modifier per "
                  "modifier flag (prenorm+normformer)",
-    "norm": "--norm-type, or the shorthand --scalenorm / --rmsnorm / --dyt; layernorm by default",
+    "norm": "--norm-type, or a registered shorthand (--scalenorm / --rmsnorm / --dyt); layernorm by default",
     "fixnorm": "true with --fixnorm",
     "qknorm": "true with --qknorm",
     "init": "--weight-init, or smallinit with --smallinit; fairseq by default",
@@ -84,7 +85,6 @@ CONFIGURATION_KEYS = {
     "stop_lr": "--stop-lr; 5e-05 (the plugin's default, the paper's) when not given",
 }
 DEFAULT_STOP_LR = 5e-5
-NORM_SHORTHANDS = {"--scalenorm": "scalenorm", "--rmsnorm": "rmsnorm", "--dyt": "dyt"}
 REFERENCE_KEYS = {"source", "metric", "configuration", "description", "recipe", "note", "bleu"}
 TABLE_KEYS = {"title", "pairs", "metric", "references"}
 SIGNIFICANCE_MARKS = ((0.01, "\u2021"), (0.05, "\u2020"))  # double dagger, dagger
@@ -236,7 +236,8 @@ def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
     flags = _parse_flags([token for token in tokens if not token.startswith("schedule=")])
     norm = flags.get("--norm-type")
     if norm is None:
-        norm = next((name for flag, name in NORM_SHORTHANDS.items() if flag in flags), "layernorm")
+        norm = next((name for name, norm_type in NORM_TYPES.items() if norm_type.shorthand and f"--{name}" in flags),
+                    "layernorm")
     init = flags.get("--weight-init") or ("smallinit" if "--smallinit" in flags else "fairseq")
     encoder, decoder = flags.get("--encoder-layers"), flags.get("--decoder-layers")
     try:
