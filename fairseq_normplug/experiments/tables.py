@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.resources import CONFIG_DIR
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
+PAPER_RESULTS_PATH = os.path.join(CONFIG_DIR, "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not started (--collect)
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
