@@ -54,7 +54,8 @@ def test_json_simple_and_tqdm_logs_of_one_run_give_the_same_records():
 def test_the_hydra_run_folder_is_read_like_a_fairseq_train_log():
     log = parsed("hydra_run")  # the folder: its hydra_train.log
     assert log.path.endswith("hydra_run") and log.log_format == "tqdm"  # hydra's default, None in the dump
-    assert [(r["num_updates"], r["loss"]) for r in log.kind("train_inner")] == [(2.0, 7.424), (4.0, 6.437), (6.0, 5.846)]
+    inner = [(r["num_updates"], r["loss"]) for r in log.kind("train_inner")]
+    assert inner == [(2.0, 7.424), (4.0, 6.437), (6.0, 5.846)]
     assert [(r["valid_num_updates"], r["valid_loss"]) for r in log.kind("valid")] == [(3.0, 6.071), (6.0, 5.508)]
     assert log.kind("train")[0]["train_loss"] == 6.631 and log.criterion == "cross_entropy"
 

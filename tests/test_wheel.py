@@ -175,7 +175,8 @@ def test_the_licence_the_citation_and_one_version():
         assert f.readline().strip() == "MIT License"
     with open(os.path.join(REPO, "CITATION.cff"), encoding="utf-8") as f:
         citation = yaml.safe_load(f)
-    assert citation["license"] == "MIT" and citation["type"] == "software" and citation["title"].startswith("fairseq-normplug")
+    assert (citation["license"], citation["type"]) == ("MIT", "software")
+    assert citation["title"].startswith("fairseq-normplug")
     assert [(r["title"], r["year"], r["authors"][0]["family-names"]) for r in citation["references"]] == [
         ("Transformers without Tears: Improving the Normalization of Self-Attention", 2019, "Nguyen"),
         ("Transformers without Normalization", 2025, "Zhu")]
