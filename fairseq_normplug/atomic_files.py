@@ -3,6 +3,7 @@ one, never a half-written one. Standard library only, so that every layer of the
 (checkpoints, tables, figures, conversions) can use it."""
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import Iterator
 
@@ -29,3 +30,9 @@ def write_text_atomic(path: str, text: str) -> None:
     with atomic_output(path) as tmp:
         with open(tmp, "w", encoding="utf-8", newline="") as f:
             f.write(text)
+
+
+def copy_atomic(source: str, destination: str) -> None:
+    """Copy ``source`` to ``destination`` through a temporary name (never a partial file)."""
+    with atomic_output(destination) as tmp:
+        shutil.copyfile(source, tmp)

@@ -38,13 +38,12 @@ repairs SAVE_DIR, prints what it did, and exits with status 3 when training is a
 import argparse
 import glob
 import os
-import shutil
 import sys
 import zipfile
 from dataclasses import dataclass
 from typing import List, Optional
 
-from fairseq_normplug.atomic_files import atomic_output
+from fairseq_normplug.atomic_files import copy_atomic
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.optim.lr_scheduler.common import patience_exhausted
@@ -113,12 +112,6 @@ def read_checkpoint(path: str) -> Optional[CheckpointInfo]:
     return CheckpointInfo(path=path, updates=updates, val_loss=extra.get("val_loss"), best=extra.get("best"),
                           next_lr=groups[0].get("lr"), scheduler=dict(scheduler or {}),
                           scheduler_state=dict(scheduler_state))
-
-
-def copy_atomic(source: str, destination: str) -> None:
-    """Copy ``source`` to ``destination`` through a temporary name (never a partial file)."""
-    with atomic_output(destination) as tmp:
-        shutil.copyfile(source, tmp)
 
 
 def repair(save_dir: str) -> List[str]:

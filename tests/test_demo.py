@@ -2,7 +2,6 @@
 for corpora whose folders have the same name, and errors that name only demo.sh's options), and
 its whole path once, training included, at a tiny size."""
 import csv
-import dataclasses
 import glob
 import json
 import os
@@ -10,6 +9,7 @@ import re
 import shutil
 
 import pytest
+import tiny_demo
 from prepare_fixtures import write_pairs
 
 from fairseq_normplug.experiments import demo
@@ -133,13 +133,8 @@ def test_demo_trains_scores_and_tabulates_through_its_own_path(tmp_path, monkeyp
     monkeypatch.setattr(demo, "DATA_ROOT", str(tmp_path / "data"))
     # the real run_table: this module's demo_corpus fixture replaces it for the module's other tests
     monkeypatch.setattr(demo, "run_table", reproduce.run_table)
-    recipes = configs.load_recipes()
-    tiny = dataclasses.replace(recipes["cpu_tiny"], train=[*recipes["cpu_tiny"].train, "--max-update", "4",
-                                                           "--validate-interval-updates", "2"])
-    monkeypatch.setattr(demo, "load_recipes", lambda: {**recipes, "cpu_tiny": tiny})
+    tiny_demo.shrink(demo, monkeypatch.setattr)
     table = configs.load_table("demo")
-    monkeypatch.setattr(demo, "load_table", lambda name: dataclasses.replace(configs.load_table(name),
-                                                                             rows=table.rows[:1]))
     out = tmp_path / "out"
     demo.main(["--corpus", corpus, *PAIR, "--bpe-merges", "30", "--preset", "tiny", "--out", str(out)])
     printed = capsys.readouterr().out

@@ -55,7 +55,8 @@ def test_train_sh_then_evaluate_sh(row_run, tiny_prepared):
     _, run_dir, trained, evaluated, _ = row_run
     status = json.loads(open(os.path.join(run_dir, "status.json")).read())
     assert status["status"] == "done" and status["updates"] == 6 and '"status": "done"' in trained.stdout
-    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["checkpoint_best.pt", "checkpoint_last.pt"]
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == [  # and the hub's files (tests/test_hub.py)
+        "bpecodes", "checkpoint_best.pt", "checkpoint_last.pt", "dict.src.txt", "dict.tgt.txt"]
     curve = {int(r["valid_num_updates"]): float(r["valid_bleu"]) for r in valid_records(run_dir)}
     assert sorted(curve) == [3, 6]
     scores = printed_json(evaluated.stdout)

@@ -12,8 +12,8 @@ LAYERS = (
     # standard library, torch and fairseq only: errors, set-up checks, checkpoint loading,
     # atomic file writing, the two fairseq wrappers, the plugin's paths, the toy corpus
     {"errors", "install_plan", "checkpoint_compat", "atomic_files", "fairseq_patches", "cli",
-     "synthetic_corpus"},
-    {"extensions"},               # loading a researcher's own norms and placements
+     "synthetic_corpus", "resources"},
+    {"extensions", "hub"},        # loading a researcher's own norms and placements; hub files beside checkpoints
     {"modules", "prepare"},       # norm layers; corpus preparation
     {"optim"},                    # lr schedules; the param group of --norm-weight-decay
     {"models"},                   # architecture, config, placements, which parameters are norm parameters

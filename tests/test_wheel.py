@@ -1,14 +1,17 @@
 """The package as a user installs it, not the editable checkout: a wheel built from a copy of
-this repository holds the C++ source, builds without setuptools warnings, and installs into a
-fresh virtual environment, where fairseq-train loads the plugin through
-``--user-dir "$(fairseq-normplug-path)"`` from outside the repository and compiles the native
-kernels from the installed C++ source.
+this repository holds the C++ source and the configs, its metadata the licence and the one
+version (``fairseq_normplug.__version__``), builds without setuptools warnings, and installs into
+a fresh virtual environment, where, from outside the repository, fairseq-train loads the plugin
+through ``--user-dir "$(fairseq-normplug-path)"`` and compiles the native kernels from the
+installed C++ source, and the project's own jobs (prepare, reproduce, demo) run from the
+packaged configs and write into the current directory.
 
 The fresh environment sees torch, fairseq and the other requirements of the test environment
 through a .pth file naming its site-packages (nothing is downloaded or reinstalled). Python does
 not process .pth files inside a directory named that way, so the editable install's finder,
 which would map ``fairseq_normplug`` back to the checkout, stays invisible; PYTHONPATH is unset.
 """
+import csv
 import json
 import os
 import shutil
@@ -17,7 +20,9 @@ import sysconfig
 import zipfile
 
 import pytest
+from prepare_fixtures import write_pairs
 
+import fairseq_normplug
 from conftest import REPO, run_cli
 from fairseq_normplug import install_plan
 
@@ -49,6 +54,12 @@ def test_the_wheel_holds_the_package_its_cpp_source_and_its_metadata(wheel):
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         entry_points = archive.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert "fairseq_normplug/modules/csrc/norm_kernels.cpp" in names
+    configs = {n[len("fairseq_normplug/configs/"):] for n in names if n.startswith("fairseq_normplug/configs/")}
+    assert configs == {os.path.relpath(os.path.join(d, f), os.path.join(REPO, "configs"))
+                       for d, _, files in os.walk(os.path.join(REPO, "configs")) for f in files}
+    assert f"Version: {fairseq_normplug.__version__}" in metadata.splitlines()
+    assert "License-Expression: MIT" in metadata.splitlines() and "License-File: LICENSE" in metadata.splitlines()
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     sources = {n for n in names if n.startswith("fairseq_normplug/") and n.endswith(".py")}
     in_checkout = {os.path.relpath(os.path.join(d, f), REPO)
                    for d, _, files in os.walk(os.path.join(REPO, "fairseq_normplug")) for f in files if f.endswith(".py")}
@@ -75,6 +86,15 @@ def fresh_venv(wheel, tmp_path_factory):
     with open(os.path.join(site, "test_environment.pth"), "w") as f:
         f.write("\n".join(sorted(ours)) + "\n")
     env = isolated_env(venv, root)
+    # fairseq's console scripts, as installing fairseq there would make them (the runner starts
+    # fairseq-train and fairseq-generate from the bin/ of the running Python)
+    for name in os.listdir(os.path.dirname(sys.executable)):
+        if name.startswith("fairseq-") and name != "fairseq-normplug-path":
+            with open(os.path.join(os.path.dirname(sys.executable), name), encoding="utf-8") as f:
+                body = f.read().split("\n", 1)[1]
+            launcher = venv / "bin" / name
+            launcher.write_text(f"#!{python}\n{body}", encoding="utf-8")
+            launcher.chmod(0o755)
     # --ignore-installed: the editable fairseq-normplug of the test environment is visible as
     # metadata; it must be neither taken as "already installed" nor uninstalled
     run_cli([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
@@ -112,3 +132,58 @@ def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_
     assert plugin_path == os.path.join(user_dir, "__init__.py")  # so native.SOURCE_PATH is the wheel's
     assert not fairseq_path.startswith(str(venv))  # fairseq is the test environment's, not reinstalled
     assert not os.path.commonpath([user_dir, REPO]) == REPO
+
+
+def test_the_projects_jobs_run_from_the_installed_wheel_outside_the_repository(fresh_venv, tmp_path):
+    """prepare (its BPE size from the packaged configs/bpe.json), reproduce's --print-commands
+    and the demo (tests/tiny_demo.py: one row, 4 updates) from the wheel, in a folder outside
+    the repository: each reads the packaged configs and writes data/, runs/, results/ there."""
+    venv, site, env = fresh_venv
+    project, raw = tmp_path / "project", tmp_path / "corpus" / "raw"
+    project.mkdir()
+    for split, count in (("train", 40), ("valid", 5), ("test", 5)):
+        write_pairs(str(raw), split, [(f"a b {i} .", f"x y {i} .") for i in range(count)], "src", "tgt")
+    python = str(venv / "bin" / "python")
+
+    def run(*argv):  # native kernels (if any) built in a cache of its own, not the other test's
+        return run_cli([python, *argv], cwd=str(project), env={**env, "NORMPLUG_CACHE_DIR": str(tmp_path / "cache")},
+                       timeout=600)
+
+    run("-m", "fairseq_normplug.prepare.corpus", str(raw), "--src", "src", "--tgt", "tgt", "--tokenized",
+        "--workers", "1")
+    prepared = project / "data" / "corpus" / "src-tgt"
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["recipe"]["bpe_merges"] == 8000  # configs/bpe.json's default, read from the wheel
+    printed = run("-m", "fairseq_normplug.experiments.reproduce", "demo", "--print-commands",
+                  "--data", f"src-tgt={prepared}").stdout
+    assert f"--user-dir {os.path.join(site, 'fairseq_normplug')} " in printed
+    assert f"run folder: {project / 'runs' / 'demo' / 'src-tgt' / 'postnorm-layernorm-warmup'}" in printed
+    demo = run(os.path.join(REPO, "tests", "tiny_demo.py"), "--corpus", str(raw), "--src", "src", "--tgt", "tgt",
+               "--tokenized", "--bpe-merges", "30", "--preset", "tiny")
+    assert f"results in {project / 'results' / 'demo'}" in demo.stdout
+    (row,) = list(csv.DictReader(open(project / "results" / "demo" / "results.csv", newline="")))
+    assert row["status"] == "ok" and int(row["updates"]) == 4
+    assert [p.name for p in (project / "data").iterdir()] and not os.path.exists(os.path.join(site, "data"))
+
+
+def test_the_licence_the_citation_and_one_version():
+    """LICENSE (MIT, as the metadata says), CITATION.cff citing both papers and the project, and
+    the version written only in fairseq_normplug/__init__.py (pyproject.toml reads it there)."""
+    import yaml
+
+    with open(os.path.join(REPO, "LICENSE"), encoding="utf-8") as f:
+        assert f.readline().strip() == "MIT License"
+    with open(os.path.join(REPO, "CITATION.cff"), encoding="utf-8") as f:
+        citation = yaml.safe_load(f)
+    assert (citation["license"], citation["type"]) == ("MIT", "software")
+    assert citation["title"].startswith("fairseq-normplug")
+    assert [(r["title"], r["year"], r["authors"][0]["family-names"]) for r in citation["references"]] == [
+        ("Transformers without Tears: Improving the Normalization of Self-Attention", 2019, "Nguyen"),
+        ("Transformers without Normalization", 2025, "Zhu")]
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
+        pyproject = f.read()
+    assert 'dynamic = ["version", "license"]' in pyproject
+    assert 'version = {attr = "fairseq_normplug.__version__"}' in pyproject
+    for name in ("pyproject.toml", "setup.py", "README.md", "CITATION.cff", "hubconf.py"):
+        with open(os.path.join(REPO, name), encoding="utf-8") as f:
+            assert fairseq_normplug.__version__ not in f.read(), f"{name} repeats the version"

@@ -24,9 +24,8 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Union
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.resources import CONFIG_DIR, PROJECT_DIR
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG_DIR = os.path.join(REPO, "configs")
 EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
 
 TABLE_KEYS = {"title", "recipe", "pairs", "rows"}
@@ -301,5 +300,5 @@ def under_recipe(table: Table, recipe: str) -> Table:
 def load_data_locations(config_dir: str = CONFIG_DIR) -> Dict[str, str]:
     """{pair: prepared data folder (holding bin/ and ref/)}, relative paths under the repo."""
     path = os.path.join(config_dir, "data.json")
-    return {pair: os.path.join(REPO, folder) if not os.path.isabs(folder) else folder
+    return {pair: os.path.join(PROJECT_DIR, folder) if not os.path.isabs(folder) else folder
             for pair, folder in _named_entries(path).items()}

@@ -25,7 +25,7 @@ import time
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers
-from fairseq_normplug.experiments.configs import REPO, load_recipes, load_table
+from fairseq_normplug.experiments.configs import PROJECT_DIR, load_recipes, load_table
 from fairseq_normplug.experiments.reproduce import report_failures, run_table
 from fairseq_normplug.prepare import corpus as prepare_corpus
 from fairseq_normplug.prepare.download import sha256_of
@@ -33,7 +33,7 @@ from fairseq_normplug.prepare.pipeline import FolderConflict
 from fairseq_normplug.synthetic_corpus import SRC_LANG, TGT_LANG, write_corpus
 
 PRESETS = {"tiny": "cpu_tiny", "small": "cpu_small"}
-DATA_ROOT = os.path.join(REPO, "data")
+DATA_ROOT = os.path.join(PROJECT_DIR, "data")
 SYNTHETIC_DIR = os.path.join(DATA_ROOT, "synthetic")
 
 
@@ -74,7 +74,7 @@ def main(argv=None):
                         help="train every row with each of these seeds (default: 1); cells show mean ± sd")
     parser.add_argument("--jobs", type=int, default=1, metavar="N",
                         help="runs at once on this machine, the cores shared among them (default 1)")
-    parser.add_argument("--out", default=os.path.join(REPO, "results", "demo"),
+    parser.add_argument("--out", default=os.path.join(PROJECT_DIR, "results", "demo"),
                         help="output folder: results.csv, results.md, PNG figures (default results/demo)")
     args = parser.parse_args(argv)
     if args.corpus and not (args.src and args.tgt):

@@ -50,7 +50,8 @@ from matplotlib.figure import Figure  # noqa: E402
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.atomic_files import atomic_output  # noqa: E402
 from fairseq_normplug.models.norm_placement import norm_short_names  # noqa: E402
-from fairseq_normplug.experiments.training_log import TrainingLog, parse_training_log  # noqa: E402
+from fairseq_normplug.experiments.training_log import (  # noqa: E402
+    TrainingLog, missing_records_cause, parse_training_log)
 
 #: {label: one log, or the logs of the label's seeds}
 Logs = Dict[str, Union[TrainingLog, Sequence[TrainingLog]]]
@@ -153,15 +154,20 @@ def _sorted_norms(values: Dict[str, float]) -> Dict[str, float]:
     return {name: values[name] for name in sorted(values, key=norm_sort_key)}
 
 
-def _logs_with(logs: Logs, select: Callable[[TrainingLog], bool], figure: str, need: str) -> Groups:
-    """{label: its seeds' logs that hold what the figure needs}, labels without any left out."""
+def _logs_with(logs: Logs, select: Callable[[TrainingLog], bool], figure: str, need: str,
+               kind: str = "train_inner") -> Groups:
+    """{label: its seeds' logs that hold what the figure needs (in records of ``kind``)},
+    labels without any left out; none at all is :class:`MissingLogData`, naming the log
+    format when that is the cause."""
     chosen = {}
-    for label, group in as_groups(logs).items():
+    groups = as_groups(logs)
+    for label, group in groups.items():
         kept = [log for log in group if select(log)]
         if kept:
             chosen[label] = kept
     if not chosen:
-        raise MissingLogData(f"{figure}: no log has {need}")
+        cause = missing_records_cause([log for group in groups.values() for log in group], kind)
+        raise MissingLogData(f"{figure}: no log has {need}" + (f" ({cause})" if cause else ""))
     return chosen
 
 
@@ -188,7 +194,7 @@ def _line_figure(series: Dict[str, Series], path: str, title: str, ylabel: str, 
 
 def _series_figure(logs: Logs, kind: str, key: str, figure: str, need: str, path: str, title: str,
                    ylabel: str, log_y: bool = False) -> Dict[str, Series]:
-    chosen = _logs_with(logs, lambda log: key in log.keys(kind), figure, need)
+    chosen = _logs_with(logs, lambda log: key in log.keys(kind), figure, need, kind)
     series = {label: combine_seeds([log.series(kind, key) for log in group]) for label, group in chosen.items()}
     _line_figure(series, path, title, ylabel, log_y)
     return series

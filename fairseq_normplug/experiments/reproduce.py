@@ -22,7 +22,7 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, launchers, tables
 from fairseq_normplug.experiments.configs import (
-    CONFIG_DIR, REPO, Table, available_tables, load_data_locations, load_table,
+    CONFIG_DIR, PROJECT_DIR, Table, available_tables, load_data_locations, load_table,
     under_recipe,
 )
 from fairseq_normplug.experiments.runner import (
@@ -360,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", nargs="+", default=[], metavar="NAME", help="only these rows")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="N",
                         help="train every cell with each seed, each in its own run folder (default: 1)")
-    parser.add_argument("--runs-dir", default=os.path.join(REPO, "runs"))
+    parser.add_argument("--runs-dir", default=os.path.join(PROJECT_DIR, "runs"))
     parser.add_argument("--results-dir", help="default: results/TABLE")
     parser.add_argument("--recipe", metavar="NAME",
                         help="train the table's rows with this recipe of configs/recipes.json instead of "
@@ -418,7 +418,7 @@ def main(argv=None):
             table = under_recipe(table, args.recipe)
         data_dirs = {**load_data_locations(), **parse_data_overrides(args.data)}
         pairs = args.pairs or table.pairs
-        results_dir = args.results_dir or os.path.join(REPO, "results", table.name)
+        results_dir = args.results_dir or os.path.join(PROJECT_DIR, "results", table.name)
         runs_dir = os.path.abspath(args.runs_dir)
         extra = args.train_flags.split()
         launcher = make_launcher(args, runs_dir, table)

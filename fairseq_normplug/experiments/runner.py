@@ -3,7 +3,8 @@
 A run lives in its own folder (``runs/<table>/<pair>/<row-slug>/``)::
 
     train.log            fairseq-train's log (JSON records), appended across resumes
-    checkpoints/         checkpoint_last.pt, checkpoint_best.pt (the validation with the best dev BLEU)
+    checkpoints/         checkpoint_last.pt, checkpoint_best.pt (the validation with the best dev BLEU),
+                         the dictionaries and subword model beside them (fairseq_normplug/hub.py)
     generate-test.txt    fairseq-generate output on the test set
     scores.json          test BLEU (tokenized, sacreBLEU with signature, compound-split for en-de),
                          the selected checkpoint's update and dev BLEU
@@ -55,7 +56,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from fairseq_normplug import checkpoint_safety
+from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
@@ -390,7 +391,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
         return status
     if changes:
         echo(f"[{run.label}] the command has changed since this run started: {'; '.join(changes)}")
-    os.makedirs(run.path("checkpoints"), exist_ok=True)
+    hub.copy_hub_files(run.data_dir, run.path("checkpoints"), run.src, run.tgt, subword_method(run.data_dir))
     for action in checkpoint_safety.repair(run.path("checkpoints")):
         echo(f"[{run.label}] checkpoints: {action}")
     minutes_before = status.get("minutes", 0.0)

@@ -16,7 +16,7 @@ import re
 import sys
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.configs import REPO, load_table
+from fairseq_normplug.experiments.configs import PROJECT_DIR, load_table
 from fairseq_normplug.experiments.runner import Run, check_data_dir, evaluate, run_folder, train
 
 
@@ -36,7 +36,7 @@ def build_run(args) -> Run:
     data_dir = os.path.abspath(args.data_dir)
     pair = pair_of(data_dir)
     check_data_dir(data_dir, pair)
-    run_dir = args.run_dir or run_folder(os.path.join(REPO, "runs"), table.name, pair, row.name)
+    run_dir = args.run_dir or run_folder(os.path.join(PROJECT_DIR, "runs"), table.name, pair, row.name)
     return Run(table=table, row=row, pair=pair, data_dir=data_dir, run_dir=run_dir)
 
 

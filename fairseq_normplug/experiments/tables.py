@@ -45,9 +45,9 @@ from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import MODIFIERS, placement_label
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
+from fairseq_normplug.resources import CONFIG_DIR
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAPER_RESULTS_PATH = os.path.join(REPO, "configs", "paper_results.json")
+PAPER_RESULTS_PATH = os.path.join(CONFIG_DIR, "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not started (--collect)
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",

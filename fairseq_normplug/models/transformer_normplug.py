@@ -194,3 +194,13 @@ class TransformerNormplugModel(TransformerModel):
         recorder = getattr(self, "norm_stats", None)
         if recorder is not None:
             recorder.set_num_updates(num_updates)
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):
+        """fairseq's hub loader; from a checkpoint folder the project's training wrote (the
+        dictionaries and subword model beside the checkpoints), the subword model and Moses
+        tokenizer by default, so ``translate`` takes raw text (fairseq_normplug/hub.py)."""
+        from fairseq_normplug.hub import hub_defaults
+
+        return super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path,
+                                       **hub_defaults(model_name_or_path, kwargs))

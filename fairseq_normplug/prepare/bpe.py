@@ -13,10 +13,10 @@ import shutil
 from typing import Callable, List
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.prepare.cli import REPO_ROOT
 from fairseq_normplug.prepare.text import count_lines, open_text
+from fairseq_normplug.resources import CONFIG_DIR
 
-CONFIG = os.path.join(REPO_ROOT, "configs", "bpe.json")
+CONFIG = os.path.join(CONFIG_DIR, "bpe.json")
 #: Sentences sentencepiece samples for training (it holds them in memory).
 SPM_SENTENCE_SAMPLE = 5_000_000
 

@@ -6,11 +6,11 @@ import sys
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.resources import PROJECT_DIR
 
-#: Repository root: default outputs go to ``<repo>/data`` and defaults are read from
-#: ``<repo>/configs`` (the scripts run from a checkout of the repository).
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DATA_ROOT = os.path.join(REPO_ROOT, "data")
+#: default outputs go to ``data/`` of the checkout, or of the current directory when the
+#: package is installed from a wheel (:mod:`fairseq_normplug.resources`)
+DATA_ROOT = os.path.join(PROJECT_DIR, "data")
 DEFAULT_DOWNLOAD_DIR = os.path.join(DATA_ROOT, "downloads")
 DEFAULT_MAX_LEN = 250
 
