@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from fairseq.models import register_model
-from fairseq.models.transformer import TransformerConfig, TransformerDecoderBase, TransformerModel
+from fairseq.models.transformer import TransformerDecoderBase, TransformerModel
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.models.normplug_config import resolved_config
 from fairseq_normplug.models.placements import (apply_placement_init, install_layernorm_scaling, install_normformer,
                                                  install_placement)
 from fairseq_normplug.modules.auto_init import AutoScaleInit
@@ -112,7 +113,10 @@ class TransformerNormplugModel(TransformerModel):
         beyond, output = settings.beyond, settings.output
         g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         allowed = build_allowed_types(args, task) if output.target_vocab_mask else None
-        model = super().build_model(args, task)
+        # every build hook reads the resolved flags from this one TransformerNormplugConfig
+        # (a DictConfig from hydra would lose the plugin's keys in TransformerConfig.from_namespace)
+        model = super().build_model(resolved_config(args), task)
+        model.args = args  # fairseq's legacy attribute, as the stock model keeps it
         install_placement(model, settings.placement)  # --norm-placement; post/pre: as built
         install_normformer(model, settings.placement)  # --normformer: NormFormer's norms and head scales
         install_norms(model, settings.norm)
@@ -144,22 +148,23 @@ class TransformerNormplugModel(TransformerModel):
         return super().load_state_dict(state_dict, *args, **kwargs)
 
     @classmethod
-    def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        if not getattr(args, "fixnorm", False):
-            return super().build_embedding(args, dictionary, embed_dim, path)
+    def build_embedding(cls, cfg, dictionary, embed_dim, path=None):
+        cfg = resolved_config(cfg)  # the object build_model passes (unchanged), or a caller's args
+        if not cfg.fixnorm:
+            return super().build_embedding(cfg, dictionary, embed_dim, path)
         if path:
             raise NormplugError(f"--fixnorm cannot start from pretrained embeddings ({path})")
         return FixNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
     @classmethod
-    def build_decoder(cls, args, tgt_dict, embed_tokens):
-        if getattr(args, "fixnorm", False):
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
+        cfg = resolved_config(cfg)
+        if cfg.fixnorm:
             decoder_class = FixNormTransformerDecoder
-        elif getattr(args, "target_vocab_mask", False):
+        elif cfg.target_vocab_mask:
             decoder_class = TargetVocabMaskTransformerDecoder
         else:
-            return super().build_decoder(args, tgt_dict, embed_tokens)
-        cfg = TransformerConfig.from_namespace(args)
+            return super().build_decoder(cfg, tgt_dict, embed_tokens)
         return decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
 
     def set_num_updates(self, num_updates):
