@@ -15,8 +15,10 @@ import os
 import sys
 
 import hydra
-from fairseq.dataclass.initialize import hydra_init
+from fairseq.dataclass.initialize import add_defaults, hydra_init
+from fairseq.dataclass.utils import omegaconf_no_object_check
 from fairseq_cli.hydra_train import _hydra_main
+from omegaconf import OmegaConf
 
 import fairseq_normplug  # noqa: F401  (registers the model, task, schedulers and criterion)
 from fairseq_normplug.errors import NormplugError
@@ -39,6 +41,25 @@ def hydra_main(cfg) -> float:
         return _hydra_main(cfg)
     except NormplugError as error:  # hydra would print it with a stack trace
         exit_with_one_line(error)
+
+
+def compose(config_name: str = "config", overrides=(), config_dir: str = None):
+    """The config ``fairseq-normplug-hydra-train [--config-dir DIR] --config-name NAME OVERRIDES``
+    trains with (composed, checked, with fairseq's defaults added and interpolations resolved),
+    without training: for tests and for a look at a recipe."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    register_hydra_model_nodes()
+    hydra_init(config_name)
+    # no version_base, as @hydra.main above (and fairseq-hydra-train): the same composition rules
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir or FAIRSEQ_CONFIG_DIR)):
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides))
+    check_hydra_model_config(cfg)
+    add_defaults(cfg)
+    with omegaconf_no_object_check():
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    OmegaConf.set_struct(cfg, True)
+    return cfg
 
 
 def cli_main() -> None:

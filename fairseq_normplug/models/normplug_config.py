@@ -19,11 +19,13 @@ import dataclasses
 import difflib
 from typing import Any, Dict, List, Optional
 
+from fairseq.dataclass import FairseqDataclass
 from fairseq.models.transformer import TransformerConfig
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.normplug_args import add_normplug_args
 
 MODEL = "transformer_normplug"
 
@@ -64,12 +66,13 @@ def _config_field(action: argparse.Action) -> tuple:
 _CONFIG_CLASSES = {}
 
 
-def normplug_config_class(add_normplug_args=None) -> type:
-    """``TransformerNormplugConfig``: fairseq's TransformerConfig with one field per flag of
-    ``add_normplug_args`` (the plugin's; cached per set of flags)."""
-    if add_normplug_args is None:
-        from fairseq_normplug.models.normplug_args import add_normplug_args
-    actions = flag_actions(add_normplug_args)
+def normplug_config_class(add_args=add_normplug_args) -> type:
+    """``TransformerNormplugConfig``: fairseq's TransformerConfig with one field per flag that
+    ``add_args`` adds (default: the plugin's flags as they are now, extensions included;
+    cached per set of flags). The plugin's is also this module's ``TransformerNormplugConfig``
+    (found by name: a pickled config loads)."""
+    global TransformerNormplugConfig
+    actions = flag_actions(add_args)
     key = tuple(actions)
     if key not in _CONFIG_CLASSES:
         _CONFIG_CLASSES[key] = dataclasses.make_dataclass(
@@ -77,13 +80,23 @@ def normplug_config_class(add_normplug_args=None) -> type:
             namespace={"__doc__": "fairseq's TransformerConfig plus the fields of the plugin's flags "
                                   "(fairseq_normplug.models.normplug_config)",
                        "__module__": __name__})
+    if add_args is add_normplug_args:
+        TransformerNormplugConfig = _CONFIG_CLASSES[key]
     return _CONFIG_CLASSES[key]
+
+
+TransformerNormplugConfig = normplug_config_class()
 
 
 def resolved_config(args):
     """The one config object every build hook reads: ``args`` (Namespace, DictConfig or a
     config object, already resolved by ``resolve_normplug_args``) as a TransformerNormplugConfig."""
-    return normplug_config_class().from_namespace(args)
+    config_class = normplug_config_class()
+    if isinstance(args, TransformerConfig) and not isinstance(args, config_class):
+        # a stock TransformerConfig: its sub-configs as the mappings from_namespace reads
+        args = argparse.Namespace(**{key: dataclasses.asdict(value) if isinstance(value, FairseqDataclass) else value
+                                     for key, value in vars(args).items()})
+    return config_class.from_namespace(args)
 
 
 def model_arches() -> List[str]:

@@ -116,7 +116,6 @@ class TransformerNormplugModel(TransformerModel):
         # every build hook reads the resolved flags from this one TransformerNormplugConfig
         # (a DictConfig from hydra would lose the plugin's keys in TransformerConfig.from_namespace)
         model = super().build_model(resolved_config(args), task)
-        model.args = args  # fairseq's legacy attribute, as the stock model keeps it
         install_placement(model, settings.placement)  # --norm-placement; post/pre: as built
         install_normformer(model, settings.placement)  # --normformer: NormFormer's norms and head scales
         install_norms(model, settings.norm)
