@@ -12,8 +12,8 @@ is the same one-line error, before any data is read; docs/experiments.md, "Hydra
 Do not set ``common.user_dir``: the plugin is already imported.
 """
 import os
-import sys
 
+import fairseq
 import hydra
 from fairseq.dataclass.initialize import add_defaults, hydra_init
 from fairseq.dataclass.utils import omegaconf_no_object_check
@@ -21,20 +21,14 @@ from fairseq_cli.hydra_train import _hydra_main
 from omegaconf import OmegaConf
 
 import fairseq_normplug  # noqa: F401  (registers the model, task, schedulers and criterion)
-from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.errors import NormplugError, exit_with_one_line
 from fairseq_normplug.models.normplug_config import check_hydra_model_config, register_hydra_model_nodes
 
 #: fairseq's own primary config (fairseq/config/config.yaml), as fairseq-hydra-train uses it
-FAIRSEQ_CONFIG_DIR = os.path.join(os.path.dirname(hydra_init.__code__.co_filename), "..", "config")
+FAIRSEQ_CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(fairseq.__file__)), "config")
 
 
-def exit_with_one_line(error: NormplugError) -> None:
-    sys.stderr.write(f"fairseq-normplug: error: {error}\n")
-    sys.stderr.flush()
-    raise SystemExit(2)
-
-
-@hydra.main(config_path=os.path.abspath(FAIRSEQ_CONFIG_DIR), config_name="config")
+@hydra.main(config_path=FAIRSEQ_CONFIG_DIR, config_name="config")
 def hydra_main(cfg) -> float:
     try:
         check_hydra_model_config(cfg)
