@@ -141,7 +141,7 @@ def check_hydra_model_config(cfg) -> None:
     from fairseq_normplug.models.transformer_normplug import TransformerNormplugModel
 
     model = cfg.get("model")
-    arch = model.get("_name") if model is not None else None
+    arch = model.get("_name") if OmegaConf.is_config(model) else None
     if arch not in ARCH_MODEL_REGISTRY or not issubclass(ARCH_MODEL_REGISTRY[arch], TransformerNormplugModel):
         return
     parser = flag_parser(ARCH_MODEL_REGISTRY[arch].add_args)
