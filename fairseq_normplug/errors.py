@@ -6,6 +6,13 @@ class NormplugError(ValueError):
     """A bad flag value or combination; the message names the value and the valid choices."""
 
 
+def exit_with_one_line(error: NormplugError) -> None:
+    """Print ``fairseq-normplug: error: ...`` and exit with status 2 (like argparse)."""
+    sys.stderr.write(f"fairseq-normplug: error: {error}\n")
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
 def install_one_line_errors() -> None:
     """Make an uncaught :class:`NormplugError` print ``fairseq-normplug: error: ...`` and exit
     with status 2 (like argparse) instead of a traceback. Other exceptions are untouched."""
@@ -15,9 +22,7 @@ def install_one_line_errors() -> None:
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, NormplugError):
-            sys.stderr.write(f"fairseq-normplug: error: {exc}\n")
-            sys.stderr.flush()
-            raise SystemExit(2)
+            exit_with_one_line(exc)
         previous(exc_type, exc, tb)
 
     hook._normplug = True

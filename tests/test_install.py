@@ -162,7 +162,8 @@ def test_pyproject_and_install_plan_agree():
     extras = project["optional-dependencies"]
     assert {r.split(">")[0] for r in extras["test"]} == {"pytest", "pytest-timeout", "pytest-xdist", "submitit"}
     assert extras["slurm"] == ["submitit>=1.5"]
-    assert project["scripts"] == {"fairseq-normplug-path": "fairseq_normplug.cli:print_user_dir"}
+    assert project["scripts"] == {"fairseq-normplug-path": "fairseq_normplug.cli:print_user_dir",
+                                  "fairseq-normplug-hydra-train": "fairseq_normplug.hydra_train:cli_main"}
 
 
 def test_every_test_has_a_time_limit(request):

@@ -22,6 +22,7 @@ LAYERS = (
     {"experiments"},              # runner, tables, figures
     {"diagnostics", "bench"},
     {"__init__"},
+    {"hydra_train"},              # fairseq-normplug-hydra-train: imports the plugin, then fairseq's hydra entry
 )
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 

@@ -70,6 +70,7 @@ def test_the_wheel_holds_the_package_its_cpp_source_and_its_metadata(wheel):
     assert not [r for r in requires if r.startswith(("fairseq", "torchaudio"))]
     assert 'submitit>=1.5; extra == "slurm"' in requires and 'pytest-timeout>=2.1; extra == "test"' in requires
     assert "fairseq-normplug-path = fairseq_normplug.cli:print_user_dir" in entry_points
+    assert "fairseq-normplug-hydra-train = fairseq_normplug.hydra_train:cli_main" in entry_points
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from fairseq.models import register_model
-from fairseq.models.transformer import TransformerConfig, TransformerModel
+from fairseq.models.transformer import TransformerModel
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.models.normplug_config import resolved_config
 from fairseq_normplug.models.placements.layers import LayerPlan, PlacedDecoder, PlacedEncoder
 from fairseq_normplug.modules.auto_init import AutoScaleInit
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
@@ -128,7 +129,9 @@ class TransformerNormplugModel(TransformerModel):
         layer_plan = settings.layer_plan
         building = BUILDING_LAYER_PLAN.set(None if layer_plan.is_stock else layer_plan)
         try:
-            model = super().build_model(args, task)  # layers: build_encoder / build_decoder below
+            # every build hook reads the resolved flags from this one TransformerNormplugConfig (a
+            # DictConfig from hydra would lose the plugin's keys in TransformerConfig.from_namespace)
+            model = super().build_model(resolved_config(args), task)  # layers: build_encoder / build_decoder
         finally:
             BUILDING_LAYER_PLAN.reset(building)
         install_norms(model, args)
@@ -160,32 +163,33 @@ class TransformerNormplugModel(TransformerModel):
         return super().load_state_dict(state_dict, *args, **kwargs)
 
     @classmethod
-    def build_embedding(cls, args, dictionary, embed_dim, path=None):
-        if not getattr(args, "fixnorm", False):
-            return super().build_embedding(args, dictionary, embed_dim, path)
+    def build_embedding(cls, cfg, dictionary, embed_dim, path=None):
+        cfg = resolved_config(cfg)  # the object build_model passes (unchanged), or a caller's args
+        if not cfg.fixnorm:
+            return super().build_embedding(cfg, dictionary, embed_dim, path)
         if path:
             raise NormplugError(f"--fixnorm cannot start from pretrained embeddings ({path})")
         return FixNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
     @classmethod
-    def build_encoder(cls, args, src_dict, embed_tokens):
+    def build_encoder(cls, cfg, src_dict, embed_tokens):
         layer_plan = BUILDING_LAYER_PLAN.get()
         if layer_plan is None:
-            return super().build_encoder(args, src_dict, embed_tokens)
-        return PlacedEncoder(TransformerConfig.from_namespace(args), src_dict, embed_tokens, layer_plan)
+            return super().build_encoder(cfg, src_dict, embed_tokens)
+        return PlacedEncoder(resolved_config(cfg), src_dict, embed_tokens, layer_plan)
 
     @classmethod
-    def build_decoder(cls, args, tgt_dict, embed_tokens):
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         layer_plan = BUILDING_LAYER_PLAN.get()
-        if getattr(args, "fixnorm", False):
+        cfg = resolved_config(cfg)
+        if cfg.fixnorm:
             decoder_class = FixNormTransformerDecoder
-        elif getattr(args, "target_vocab_mask", False):
+        elif cfg.target_vocab_mask:
             decoder_class = TargetVocabMaskTransformerDecoder
         elif layer_plan is not None:
             decoder_class = PlacedDecoder
         else:
-            return super().build_decoder(args, tgt_dict, embed_tokens)
-        cfg = TransformerConfig.from_namespace(args)
+            return super().build_decoder(cfg, tgt_dict, embed_tokens)
         return decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention,
                              layer_plan=layer_plan)
 
