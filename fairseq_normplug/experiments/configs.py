@@ -20,8 +20,9 @@ A typo anywhere (unknown key, unknown schedule/recipe/baseline, duplicate row) i
 """
 import json
 import os
+import shlex
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.resources import CONFIG_DIR, PROJECT_DIR
@@ -295,6 +296,47 @@ def under_recipe(table: Table, recipe: str) -> Table:
         raise NormplugError(f"unknown recipe {recipe!r}; choose from {', '.join(table.recipes)}")
     return replace(table, name=f"{table.name}.{recipe}", recipe=table.recipes[recipe],
                    title=f"{table.title} (recipe {recipe})")
+
+
+def baseline_row(table: Table) -> Row:
+    """The row the table compares the others with: the one most rows name as ``baseline``
+    (the first row when none does)."""
+    named = [row.baseline for row in table.rows if row.baseline]
+    return table.row(max(named, key=named.count)) if named else table.rows[0]
+
+
+def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] = (),
+                    schedule: Optional[str] = None) -> Table:
+    """``table`` plus a researcher's rows, ``--add-row "NAME=FLAGS"`` each (FLAGS split as a shell
+    does): trained with the table's recipe and seeds, with ``schedule`` (default: the baseline
+    row's) and compared with the baseline row (:func:`baseline_row`), so the table's kept runs are
+    reused and only the new rows train. ``modules`` (``--normplug-modules``: the extensions that
+    define the rows' norms or placements) are given to each new row as absolute paths."""
+    baseline = baseline_row(table)
+    schedule = schedule or baseline.schedule
+    if schedule not in table.schedules:
+        raise NormplugError(f"unknown --add-row-schedule {schedule!r}; choose from {', '.join(table.schedules)}")
+    extension_flags = []
+    if modules:
+        paths = [os.path.abspath(item) if os.path.exists(item) else item for item in modules]
+        extension_flags = ["--normplug-modules", ",".join(paths)]
+    rows, names = list(table.rows), {row.name for row in table.rows}
+    for spec in specs:
+        name, equals, flags = spec.partition("=")
+        name = name.strip()
+        if not equals or not name:
+            raise NormplugError(f"--add-row {spec!r}: write it as \"NAME=FLAGS\", e.g. "
+                                f"\"PreNorm + MyNorm=--prenorm --norm-type mynorm\"")
+        if name in names:
+            raise NormplugError(f"--add-row {name!r}: the table {table.name} already has a row of that name; "
+                                f"choose another")
+        try:
+            model = shlex.split(flags)
+        except ValueError as error:
+            raise NormplugError(f"--add-row {name!r}: its flags do not parse as a shell line ({error})") from None
+        names.add(name)
+        rows.append(Row(name=name, model=model + extension_flags, schedule=schedule, baseline=baseline.name))
+    return replace(table, rows=rows)
 
 
 def load_data_locations(config_dir: str = CONFIG_DIR) -> Dict[str, str]:

@@ -23,8 +23,9 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, launchers, tables
 from fairseq_normplug.experiments.configs import (
     CONFIG_DIR, PROJECT_DIR, Table, available_tables, load_data_locations, load_table,
-    under_recipe,
+    under_recipe, with_added_rows,
 )
+from fairseq_normplug.extensions import load_extensions, split_items
 from fairseq_normplug.experiments.runner import (
     Run, check_data_dir, command_batching, generate_command, last_flag_value, read_json, run_folder,
     test_hypotheses, test_references,
@@ -366,6 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="train the table's rows with this recipe of configs/recipes.json instead of "
                              "the table's own (e.g. cpu_short); runs and results go under TABLE.NAME")
     parser.add_argument("--train-flags", default="", help="extra fairseq-train flags, one string")
+    yours = parser.add_argument_group("your own rows beside the table's (docs/extending.md)")
+    yours.add_argument("--add-row", action="append", default=[], metavar="NAME=FLAGS",
+                       help="one more row: its model flags, trained with the table's recipe and seeds and "
+                            "compared with its baseline row (repeatable); the table's finished runs are reused")
+    yours.add_argument("--normplug-modules", action="append", default=[], metavar="PATH[,PATH...]",
+                       help="the extensions the added rows need (.py files, package folders or module names)")
+    yours.add_argument("--add-row-schedule", metavar="NAME",
+                       help="the added rows' schedule (default: the baseline row's)")
     what = parser.add_argument_group("instead of running the table")
     what.add_argument("--print-commands", action="store_true",
                       help="print every fairseq-train/-generate command with its run folder, seed, devices, "
@@ -416,6 +425,15 @@ def main(argv=None):
         table = load_table(args.table)
         if args.recipe:
             table = under_recipe(table, args.recipe)
+        if args.normplug_modules and not args.add_row:
+            raise NormplugError("--normplug-modules names the extensions of rows added with --add-row; "
+                                "give --add-row \"NAME=FLAGS\" too")
+        if args.add_row_schedule and not args.add_row:
+            raise NormplugError("--add-row-schedule needs --add-row")
+        if args.add_row:
+            modules = split_items(args.normplug_modules)
+            load_extensions(modules)  # a missing or broken one fails here, before any work
+            table = with_added_rows(table, args.add_row, modules, args.add_row_schedule)
         data_dirs = {**load_data_locations(), **parse_data_overrides(args.data)}
         pairs = args.pairs or table.pairs
         results_dir = args.results_dir or os.path.join(PROJECT_DIR, "results", table.name)
