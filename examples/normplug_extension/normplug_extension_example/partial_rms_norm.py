@@ -44,7 +44,9 @@ class PartialRMSNorm(FormulaNorm):
         self.weight = self.new_gain()
 
     def formula(self, x, weight):
-        rms = x[..., :self.partial].pow(2).mean(dim=-1, keepdim=True).sqrt()
+        # the l2 norm, as the authors' code: its gradient at an all-zero row (fairseq's padding
+        # positions) is 0, where sqrt(mean(x^2)) would give 0/0 = NaN
+        rms = x[..., :self.partial].norm(2, dim=-1, keepdim=True) * self.partial ** -0.5
         return weight * x / (rms + self.eps)
 
     def extra_repr(self):

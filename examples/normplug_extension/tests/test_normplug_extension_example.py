@@ -84,6 +84,10 @@ def test_formula_and_gradients_match_the_authors_code(extension):
     expected.pow(2).sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad)
     torch.testing.assert_close(norm.weight.grad, scale.grad)
+    # an all-zero row (fairseq's padding positions): finite output and gradients
+    zeros = torch.zeros(2, 16, requires_grad=True)
+    norm(zeros).sum().backward()
+    assert torch.isfinite(zeros.grad).all() and torch.isfinite(norm.weight.grad).all()
     # bf16 input: computed in float32, returned in bf16
     low = norm(x.detach().bfloat16())
     assert low.dtype == torch.bfloat16
