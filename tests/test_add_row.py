@@ -1,0 +1,86 @@
+"""``reproduce.sh TABLE --add-row "NAME=FLAGS" --normplug-modules PATH``: a researcher's own row
+(here the example extension's partial RMSNorm, from outside the package) beside a table's rows,
+with the table's recipe and seeds, compared with its baseline; the table's finished runs are
+reused, so only the new row trains, and one results.md holds them all."""
+import csv
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import REPO
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments import reproduce
+from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table, with_added_rows
+from fairseq_normplug.experiments.reproduce import run_table
+
+EXTENSION = os.path.join(REPO, "examples", "normplug_extension", "normplug_extension_example")
+BASELINE = "PostNorm + LayerNorm"
+OURS = "PreNorm + pRMSNorm"
+TABLE = {"title": "A baseline", "recipe": "test_add_row", "pairs": ["src-tgt"],
+         "rows": [{"name": BASELINE, "model": [], "schedule": "inv_sqrt_decay"},
+                  {"name": "PreNorm", "model": ["--prenorm"], "schedule": "inv_sqrt_decay", "baseline": BASELINE}]}
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    config_dir = tmp_path_factory.mktemp("configs") / "configs"
+    shutil.copytree(CONFIG_DIR, config_dir)
+    recipes = json.loads((config_dir / "recipes.json").read_text())
+    recipes["test_add_row"] = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
+                               "train": {"--max-update": "20", "--validate-interval-updates": "10"}}
+    (config_dir / "recipes.json").write_text(json.dumps(recipes))
+    (config_dir / "experiments" / "small.json").write_text(json.dumps(TABLE))
+    return load_table("small", str(config_dir))
+
+
+def test_added_rows_get_the_recipe_the_baseline_and_the_extension(table):
+    added = with_added_rows(table, [f"{OURS}=--prenorm --norm-type prmsnorm --prms-p '0.5'"], [EXTENSION])
+    row = added.row(OURS)
+    assert row.model == ["--prenorm", "--norm-type", "prmsnorm", "--prms-p", "0.5", "--normplug-modules", EXTENSION]
+    assert row.baseline == BASELINE and row.schedule == "inv_sqrt_decay"
+    assert [r.name for r in added.rows] == [BASELINE, "PreNorm", OURS] and added.recipe == table.recipe
+    assert with_added_rows(table, ["X=--prenorm"], schedule="no_warmup").row("X").schedule == "no_warmup"
+
+
+@pytest.mark.parametrize("spec,schedule,message", [
+    ("PreNorm=--prenorm", None, "--add-row 'PreNorm': the table small already has a row of that name"),
+    ("--prenorm", None, "--add-row '--prenorm': write it as \"NAME=FLAGS\""),
+    ("X=--prenorm 'oops", None, "--add-row 'X': its flags do not parse as a shell line"),
+    ("X=--prenorm", "warmupp", "unknown --add-row-schedule 'warmupp'; choose from"),
+])
+def test_bad_added_rows_are_refused_in_one_line(table, spec, schedule, message):
+    with pytest.raises(NormplugError) as error:
+        with_added_rows(table, [spec], schedule=schedule)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--normplug-modules", EXTENSION], "--normplug-modules names the extensions of rows added with --add-row"),
+    (["--add-row", "X=--prenorm", "--normplug-modules", "/no/such/ext.py"], "the extension module /no/such/ext.py "
+                                                                            "does not exist"),
+])
+def test_the_command_line_refuses_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        reproduce.main(["cpu", "--print-commands", *argv])
+    assert message in str(exit_.value) and "\n" not in str(exit_.value)
+
+
+def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_prepared, tmp_path):
+    runs, data = str(tmp_path / "runs"), {"src-tgt": tiny_prepared}
+    run_table(table, ["src-tgt"], data, runs, str(tmp_path / "before"), echo=lambda message: None)
+    kept = {name: os.path.getmtime(os.path.join(runs, "small", "src-tgt", name, "train.log"))
+            for name in os.listdir(os.path.join(runs, "small", "src-tgt"))}
+    messages = []
+    added = with_added_rows(table, [f"{OURS}=--prenorm --norm-type prmsnorm --prms-p 0.5"], [EXTENSION])
+    run_table(added, ["src-tgt"], data, runs, str(tmp_path / "after"), echo=messages.append)
+    trained = [m for m in messages if "training" in m]
+    assert len(trained) == 1 and OURS in trained[0], messages
+    for name, mtime in kept.items():
+        assert os.path.getmtime(os.path.join(runs, "small", "src-tgt", name, "train.log")) == mtime, name
+    with open(tmp_path / "after" / "results.csv") as f:
+        rows = {row["row"]: row for row in csv.DictReader(f)}
+    assert set(rows) == {BASELINE, "PreNorm", OURS} and rows[OURS]["status"] == "ok"
+    assert 0 <= float(rows[OURS]["p_value"]) <= 1 and "--norm-type prmsnorm" in rows[OURS]["config"]
+    assert OURS in (tmp_path / "after" / "results.md").read_text()
