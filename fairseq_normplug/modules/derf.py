@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std
-from fairseq_normplug.modules.norm_registry import check_scale_inits, register_norm, scale_init, scale_init_value
+from fairseq_normplug.modules.norm_registry import register_norm, scale_init, scale_init_value
 
 DERF_DEFAULT_ALPHA = 0.5
 
@@ -25,6 +25,7 @@ class Derf(FormulaNorm):
     ``zero_centered_gamma=True``: ``weight`` holds gamma (init 0), the gain is 1 + gamma."""
 
     auto_init_parameter = "alpha"
+    scale_init_flags = ("derf_alpha_init",)
 
     @staticmethod
     def add_args(parser):
@@ -32,10 +33,6 @@ class Derf(FormulaNorm):
             "--derf-alpha-init", type=scale_init_value, metavar="A|auto",
             help=f"Derf alpha initial value (default {DERF_DEFAULT_ALPHA}, the Derf authors' code); "
                  "auto: 1/std of each norm's input on the first training batch; the shift s starts at 0")
-
-    @classmethod
-    def check_args(cls, args):
-        check_scale_inits(args, ("derf_alpha_init",))
 
     @classmethod
     def build(cls, dim, args, slot):

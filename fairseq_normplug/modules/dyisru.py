@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules.norm_base import FormulaNorm
-from fairseq_normplug.modules.norm_registry import check_scale_inits, register_norm, scale_init, scale_init_value
+from fairseq_normplug.modules.norm_registry import register_norm, scale_init, scale_init_value
 
 
 def default_beta(dim: int) -> float:
@@ -38,6 +38,7 @@ class DyISRU(FormulaNorm):
     ``zero_centered_gamma=True``)."""
 
     auto_init_parameter = "beta"
+    scale_init_flags = ("dyisru_beta_init",)
 
     @staticmethod
     def add_args(parser):
@@ -45,10 +46,6 @@ class DyISRU(FormulaNorm):
             "--dyisru-beta-init", type=scale_init_value, metavar="B|auto",
             help="DyISRU beta initial value (default d-1: RMSNorm's value for unit-variance input); "
                  "auto: (d-1)*mean(x^2) of each norm's input on the first training batch")
-
-    @classmethod
-    def check_args(cls, args):
-        check_scale_inits(args, ("dyisru_beta_init",))
 
     @classmethod
     def build(cls, dim, args, slot):

@@ -10,8 +10,7 @@ from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std, zero_centered_repr
-from fairseq_normplug.modules.norm_registry import (ATTENTION, AUTO, check_scale_inits, register_norm, scale_init,
-                                                    scale_init_value)
+from fairseq_normplug.modules.norm_registry import ATTENTION, register_norm, scale_init, scale_init_value
 
 #: the paper's default alpha0 (section 7, "alpha0 = 0.5 for non-LLM models")
 DYT_DEFAULT_ALPHA = 0.5
@@ -125,7 +124,7 @@ class DynamicTanh(FormulaNorm):
     """
 
     auto_init_parameter = "alpha"
-    #: its scale-init flags (a number or ``auto``)
+    #: its flags that take a number or ``auto`` (checked by the registry)
     scale_init_flags = ("dyt_alpha_init", "dyt_attn_alpha_init")
 
     @staticmethod
@@ -148,7 +147,6 @@ class DynamicTanh(FormulaNorm):
 
     @classmethod
     def check_args(cls, args):
-        check_scale_inits(args, cls.scale_init_flags)
         if args.dyt_no_alpha:
             clash = [n for n in cls.scale_init_flags if getattr(args, n) not in (None, 1.0)]
             if clash:

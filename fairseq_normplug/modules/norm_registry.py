@@ -19,6 +19,8 @@ built-in norm::
         def __init__(self, dim, args):    # dim: the width; args: fairseq's parsed arguments
             ...
 
+``scale_init_flags`` (optional) names its flags that take a number or ``auto``
+(:func:`scale_init_value`): they must be positive, and ``auto`` needs --amp with fp16/bf16.
 ``build(cls, dim, args, slot)`` (a classmethod, optional) replaces ``cls(dim, args)`` when the
 module depends on where it sits (:class:`NormSlot`: the role ATTENTION/FFN/FINAL, whether it
 feeds the output layer, its logged name) or keeps a constructor of its own. The registry adds
@@ -96,6 +98,7 @@ class NormType:
         return {action.dest: action.default for action in parser._actions if action.dest not in before}
 
     def check_args(self, args) -> None:
+        check_scale_inits(args, getattr(self.module, "scale_init_flags", ()))
         check = getattr(self.module, "check_args", None)
         if check is not None:
             check(args)
