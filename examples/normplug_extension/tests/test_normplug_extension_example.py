@@ -235,6 +235,20 @@ def test_fairseq_generate_and_the_hub_decode_without_being_told(trained, corpus)
     assert int(count) == 2 * 2 + 2 * 3 + 2 and partial == "{16}"  # 2+2 layers and 2 final norms, d=64, p=0.25
 
 
+def test_fairseq_hydra_train_takes_the_extension_as_an_override(corpus, tmp_path):
+    """``model.normplug_modules=PATH`` on the hydra command line loads it before hydra checks the
+    model's keys, so the norm type and its own flag are accepted there too."""
+    run(sys.executable, "-m", "fairseq_normplug.hydra_train", "task=translation_normplug", f"task.data={corpus}",
+        "model=transformer_normplug_tiny", "criterion=label_smoothed_cross_entropy", "optimizer=adam",
+        "lr_scheduler=inverse_sqrt", "optimization.lr=[0.001]", "optimization.max_update=2", "dataset.max_tokens=1000",
+        "dataset.disable_validation=true", "common.cpu=true", f"checkpoint.save_dir={tmp_path}",
+        f"+model.normplug_modules={EXTENSION}", "+model.norm_type=prmsnorm", "+model.prms_p=0.5",
+        "+model.norm_placement=parallel", cwd=str(tmp_path))
+    args = saved_model_args(tmp_path / "checkpoint_last.pt")
+    assert (args["norm_type"], args["prms_p"], args["norm_placement"]) == ("prmsnorm", 0.5, "parallel")
+    assert args["normplug_modules"] == EXTENSION
+
+
 def test_a_moved_extension_is_named_in_one_line(trained, corpus, tmp_path):
     save_dir, _ = trained
     state = torch.load(save_dir / "checkpoint_last.pt", weights_only=False)
@@ -264,3 +278,10 @@ def test_an_installed_package_is_loaded_through_its_entry_point(tmp_path):
     proc = run(sys.executable, "-c", "import fairseq_normplug\nfrom fairseq_normplug.modules.norm_registry import "
                "NORM_TYPES\nprint(NORM_TYPES['prmsnorm'].source)", env={"PYTHONPATH": path}, cwd=str(tmp_path))
     assert proc.stdout.strip().splitlines()[-1] == "normplug_extension_example.partial_rms_norm"
+
+
+def test_the_environment_variable_loads_it_in_any_command(tmp_path):
+    proc = run(sys.executable, "-c", "import fairseq_normplug\nfrom fairseq_normplug.models.placements import "
+               "PLACEMENTS\nprint(PLACEMENTS['parallel'].__module__)", env={"NORMPLUG_MODULES": EXTENSION},
+               cwd=str(tmp_path))
+    assert proc.stdout.strip().splitlines()[-1] == "normplug_extension_example.parallel_layers"
