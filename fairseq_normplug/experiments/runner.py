@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -59,22 +60,30 @@ from fairseq_normplug import checkpoint_safety
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
-from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table
+from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table, slug  # noqa: F401 (runner.slug)
 from fairseq_normplug.optim.lr_scheduler.common import PAPER_STOP_LR
 from fairseq_normplug.prepare.bpe import METHODS as SUBWORD_METHODS
 
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN_DIR = os.path.dirname(sys.executable)
-DIVERGENCE_MARKERS = ("FloatingPointError", "gradients are Nan/Inf", "Minimum loss scale reached")
+#: what fairseq-train prints when a run diverges, and what it means (its last failing line)
+DIVERGENCE_MARKERS = {
+    "FloatingPointError": "NaN or inf in the loss or gradients",
+    "gradients are Nan/Inf": "NaN or inf in the gradients",
+    "Minimum loss scale reached": "the fp16 loss scale fell to its minimum (overflow at every update)",
+    "KeyError: 'bleu'": "no dev BLEU could be computed (every dev translation was empty)",
+}
+#: the states of a run's status.json ("pending": none yet)
+RUN_STATES = ("pending", "running", "done", "diverged", "failed")
+#: a dev loss this many bits per token above a uniform guess over the target vocabulary
+#: (log2 |V|) is a divergence: twice the uniform guess's perplexity, which no training reaches
+#: by learning; it leaves room for an untrained model's first validation just above log2 |V|
+DIVERGENCE_MARGIN_BITS = 1.0
 #: fairseq's main branch drops the last batch unless it is a multiple of this (README)
 ALL_BATCHES = ["--required-batch-size-multiple", "1"]
 TASK = ["--task", "translation_normplug"]
 #: fairseq generation options a recipe's ``decoding`` spec may set (GNMT's alpha is a task option)
 GENERATION_OPTIONS = ("beam", "lenpen", "max_len_a", "max_len_b")
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def write_json_atomic(path: str, data: dict) -> None:
@@ -86,11 +95,24 @@ def write_json_atomic(path: str, data: dict) -> None:
 
 
 def read_json(path: str) -> Optional[dict]:
+    """The JSON object in a file the runner wrote (status.json, scores.json, manifest.json);
+    None when it is missing, cut, not UTF-8 JSON or not an object (a corrupt file is as good
+    as none: the runner writes it again)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+            data = json.load(f)
+    except (FileNotFoundError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
+    return data if isinstance(data, dict) else None
+
+
+def read_scores(path: str) -> Optional[dict]:
+    """A scores.json with a finite test BLEU, else None (missing, corrupt, ``{}``, or cut
+    short): a run without one is not scored and is decoded again."""
+    scores = read_json(path)
+    value = (scores or {}).get("tokenized_bleu")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return scores if ok else None
 
 
 def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
@@ -107,6 +129,14 @@ def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
             value = float(flags[i]) * scale
             flags[i] = convert(max(value, 1) if flag == "--warmup-updates" and value > 0 else value)
     return flags
+
+
+def train_flags(text: str) -> List[str]:
+    """``--train-flags``, split as a shell splits it (quotes keep ``'(0.9, 0.999)'`` one value)."""
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise NormplugError(f"--train-flags {text!r}: {error} (it is split like a shell command line)") from None
 
 
 def last_flag_value(flags: List[str], flag: str) -> Optional[str]:
@@ -146,6 +176,26 @@ def test_decoding_flags(decoding: dict, subword_method: str) -> List[str]:
     for key, value in generation_options(decoding).items():
         flags += [f"--{key.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
     return flags + decoding_task_flags(decoding) + ["--remove-bpe", subword_method]
+
+
+#: lr schedulers whose peak lr is eq. 7's (set by --lr-lambda), so that --lr changes nothing:
+#: always (inv_sqrt_decay), or with a warmup unless --warmup-peak lr (val_decay)
+LAMBDA_PEAK_SCHEDULERS = ("inv_sqrt_decay", "val_decay")
+
+
+def ignored_lr_problem(command: List[str], user_flags: List[str]) -> Optional[str]:
+    """Why a ``--lr`` of ``user_flags`` (a row's and ``--train-flags``) does nothing in
+    ``command``, or None: under inv_sqrt_decay, or val_decay with a warmup to eq. 7's peak,
+    the lr comes from ``--lr-lambda`` and fairseq would silently drop the user's ``--lr``."""
+    lr = last_flag_value(user_flags, "--lr")
+    scheduler = last_flag_value(command, "--lr-scheduler")
+    if lr is None or scheduler not in LAMBDA_PEAK_SCHEDULERS:
+        return None
+    if scheduler == "val_decay" and (int(float(last_flag_value(command, "--warmup-updates") or 0)) == 0
+                                     or last_flag_value(command, "--warmup-peak") == "lr"):
+        return None
+    return (f"--lr {lr} is ignored by --lr-scheduler {scheduler} (its peak lr is eq. 7's, set by --lr-lambda); "
+            f"give --lr-lambda instead" + (", or --warmup-peak lr" if scheduler == "val_decay" else ""))
 
 
 def checkpoint_selection_flags(flags: List[str]) -> List[str]:
@@ -275,7 +325,10 @@ class Run:
         return os.path.join(self.run_dir, *parts)
 
     def status(self) -> dict:
-        return read_json(self.path("status.json")) or {"status": "pending"}
+        """status.json; ``pending`` when it is missing or corrupt (the run is then resumed from
+        its checkpoints, which repairs it)."""
+        status = read_json(self.path("status.json"))
+        return status if status and status.get("status") in RUN_STATES else {"status": "pending"}
 
     def set_status(self, **fields) -> dict:
         status = {**self.status(), **fields}
@@ -306,6 +359,9 @@ class Run:
                    "--save-dir", self.path("checkpoints"), "--no-epoch-checkpoints", "--seed", str(self.seed),
                    "--log-format", "json", "--num-workers", "0", *ALL_BATCHES, *self.device_flags(),
                    *batching_flags(recipe, flags, world_size(flags + list(extra), self.num_devices)), *extra]
+        problem = ignored_lr_problem(command, [*self.row.model, *self.row.train, *extra])
+        if problem:
+            raise NormplugError(f"{self.table.name} row {self.row.name!r}: {problem}")
         return command + checkpoint_selection_flags(command)
 
 
@@ -358,13 +414,54 @@ def check_data_dir(data_dir: str, pair: str) -> None:
                             f"prepare it with scripts/prepare_*.sh (docs/data.md)")
 
 
-def progress_line(run: Run, line: str) -> Optional[str]:
-    """A one-line summary of a validation record, for the console."""
+def valid_record(line: str) -> Optional[dict]:
+    """The JSON record of a fairseq-train validation line, None for any other line."""
     if "| valid | " not in line:
         return None
     try:
         record = json.loads(line.split("| valid | ", 1)[1])
     except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def target_vocabulary_size(data_dir: str, tgt: str) -> Optional[int]:
+    """|V| of the target dictionary: its lines plus fairseq's 4 special symbols; None without it."""
+    path = os.path.join(data_dir, "bin", f"dict.{tgt}.txt")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return sum(1 for line in f if line.strip()) + 4
+
+
+def divergence_limit(run: "Run") -> Optional[float]:
+    """The dev loss (bits per token, fairseq's unit) above which ``run`` has diverged:
+    log2 |V| of its target vocabulary (a uniform guess) plus :data:`DIVERGENCE_MARGIN_BITS`."""
+    size = target_vocabulary_size(run.data_dir, run.tgt)
+    return None if size is None else math.log2(size) + DIVERGENCE_MARGIN_BITS
+
+
+def diverged_at(record: dict, limit: Optional[float]) -> Optional[str]:
+    """Why a validation ``record`` shows a diverged run (dev loss NaN, inf, or over ``limit``
+    bits), None when it does not."""
+    try:
+        loss = float(record.get("valid_loss"))
+    except (TypeError, ValueError):
+        return None
+    update = record.get("valid_num_updates", "?")
+    if not math.isfinite(loss):
+        return f"dev loss {loss} at update {update}"
+    if limit is not None and loss > limit:
+        return (f"dev loss {loss:g} bits per token at update {update}, worse than a uniform guess over the "
+                f"target vocabulary ({limit - DIVERGENCE_MARGIN_BITS:.2f} bits) by more than "
+                f"{DIVERGENCE_MARGIN_BITS:g}")
+    return None
+
+
+def progress_line(run: Run, line: str) -> Optional[str]:
+    """A one-line summary of a validation record, for the console."""
+    record = valid_record(line)
+    if record is None:
         return None
     parts = [f"update {record.get('valid_num_updates', '?')}", f"dev loss {record.get('valid_loss', '?')}"]
     if "valid_bleu" in record:
@@ -415,7 +512,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if last is not None else 'starting'}); "
          f"log: {run.path('train.log')}")
-    tail = []
+    tail, diverged, limit = [], None, divergence_limit(run)
     _end_last_line(run.path("train.log"))
     with open(run.path("train.log"), "a", encoding="utf-8", buffering=1) as log:  # line by line: kept on a kill
         if changes:  # the log says so too, where the resumed training starts
@@ -431,16 +528,29 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
                 echo(summary)
                 # the time trained so far survives a kill (a killed job's minutes count too)
                 run.set_status(minutes=round(minutes_before + (time.time() - started) / 60, 2))
+                if diverged is None:
+                    diverged = diverged_at(valid_record(line), limit)
+                    if diverged:  # a result: training it further changes nothing
+                        proc.terminate()
         returncode = proc.wait()
+        if diverged:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | fairseq_normplug.experiments.runner | "
+                      f"diverged: {diverged}; training stopped\n")
     minutes = minutes_before + (time.time() - started) / 60
     updates = last_num_updates(run.path("train.log"))
-    if returncode == 0:
+    if returncode == 0 and not diverged:
         return _training_done(run, minutes, updates, stopped_by(run.path("train.log"), updates, max_update))
     text = "".join(tail)
-    state = "diverged" if any(marker in text for marker in DIVERGENCE_MARKERS) else "failed"
-    echo(f"[{run.label}] {state} (exit {returncode}); see {run.path('train.log')}")
+    last_line = text.strip().splitlines()[-1][:300] if text.strip() else ""
+    marker = next((marker for marker in DIVERGENCE_MARKERS if marker in text), None)
+    if diverged is None and marker:
+        diverged = DIVERGENCE_MARKERS[marker]
+    state = "diverged" if diverged else "failed"
+    echo(f"[{run.label}] {state}{': ' + diverged if diverged else ''} (exit {returncode}); "
+         f"see {run.path('train.log')}")
     return run.set_status(status=state, minutes=round(minutes, 2), updates=updates, exit_code=returncode,
-                          error=text.strip().splitlines()[-1][:300] if text.strip() else "")
+                          error=last_line if marker or not diverged else diverged,
+                          **({"diverged": diverged} if diverged else {}))
 
 
 def _training_done(run: Run, minutes: float, updates: Optional[int], stopped: Optional[str]) -> dict:
@@ -532,8 +642,8 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
     ``generate-test.txt`` and ``scores.json`` appear complete or not at all; a killed
     decoding's temporary output is deleted and decoding starts again."""
     scores_path = run.path("scores.json")
-    if read_json(scores_path) is not None:
-        return read_json(scores_path)
+    if read_scores(scores_path) is not None:
+        return read_scores(scores_path)
     checkpoint = run.path("checkpoints", "checkpoint_best.pt")
     if run.status()["status"] != "done" or not os.path.exists(checkpoint):
         return None
@@ -549,7 +659,9 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
     with open(tmp, "w", encoding="utf-8") as out:
         proc = subprocess.run(command, stdout=out, stderr=subprocess.PIPE, text=True, env={**os.environ, **run.env()})
     if proc.returncode != 0:
-        raise NormplugError(f"fairseq-generate failed for {run.label}: {proc.stderr.strip().splitlines()[-1]}")
+        os.remove(tmp)
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise NormplugError(f"fairseq-generate failed for {run.label}: {last}")
     os.replace(tmp, output)
     scores = {**score_generation(output, run.data_dir, run.tgt), **selected_checkpoint(checkpoint)}
     write_json_atomic(scores_path, scores)

@@ -17,7 +17,7 @@ import sys
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import REPO, load_table
-from fairseq_normplug.experiments.runner import Run, check_data_dir, evaluate, run_folder, train
+from fairseq_normplug.experiments.runner import Run, check_data_dir, evaluate, run_folder, train, train_flags
 
 
 def pair_of(data_dir: str) -> str:
@@ -56,7 +56,7 @@ def parser_for(prog: str, train_flags: bool) -> argparse.ArgumentParser:
 def train_main(argv=None):
     args = parser_for("train.sh", train_flags=True).parse_args(argv)
     try:
-        status = train(build_run(args), args.train_flags.split())
+        status = train(build_run(args), train_flags(args.train_flags))
     except NormplugError as error:
         sys.exit(f"train.sh: error: {error}")
     print(json.dumps(status, indent=2)[:2000])
