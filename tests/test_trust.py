@@ -5,6 +5,7 @@ over, a disk full during a checkpoint save, a read-only results folder, a corrup
 a diverging row and an undecodable test sentence; in each, nothing finished is lost and a
 re-run repairs what it can."""
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -34,6 +35,11 @@ TWO_ROWS = {"title": "Two tiny rows", "recipe": "trust_tiny", "pairs": ["src-tgt
      "baseline": "PreNorm", "train": ["--lr", "3e-3"]}]}
 #: a good row, a row whose model has fewer source positions than the longest test sentence
 #: (its test decoding fails), and PostNorm at lr 1 without warmup (it diverges)
+#: a mistyped flag, and a model with fewer source positions than the longest dev sentence
+PREFLIGHT_BAD = {"title": "Two mistakes", "recipe": "trust_tiny", "pairs": ["src-tgt"], "rows": [
+    {"name": "PreNorm", "model": ["--prenrom"], "schedule": "no_warmup", "train": ["--lr", "3e-3"]},
+    {"name": "PreNorm 8 positions", "model": ["--prenorm", "--max-source-positions", "8"], "schedule": "no_warmup",
+     "train": ["--lr", "3e-3"]}]}
 FAULTS = {"title": "A good, an undecodable and a diverging row", "recipe": "trust_tiny", "pairs": ["src-tgt"],
           "rows": [{"name": "PreNorm", "model": ["--prenorm"], "schedule": "no_warmup", "train": ["--lr", "3e-3"]},
                    {"name": "PreNorm 40 positions", "model": ["--prenorm", "--max-source-positions", "40"],
@@ -96,6 +102,7 @@ def trust(tiny_raw, tiny_bin, tmp_path_factory):
     (configs / "recipes.json").write_text(json.dumps(recipes))
     (configs / "experiments" / "trust.json").write_text(json.dumps(TWO_ROWS))
     (configs / "experiments" / "faults.json").write_text(json.dumps(FAULTS))
+    (configs / "experiments" / "mistakes.json").write_text(json.dumps(PREFLIGHT_BAD))
     data = root / "data"
     (data / "ref").mkdir(parents=True)
     os.symlink(tiny_bin, data / "bin")
@@ -359,3 +366,219 @@ def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(t
     assert code == 0 and sum("translating the test set" in line for line in lines) == 2
     assert not any("training (" in line for line in lines)
     assert table_csv(root / "corrupt") == reference
+
+
+# --------------------------------------------------------------------------- checked before any work
+
+
+@pytest.fixture
+def configs_copy(tmp_path):
+    dest = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, dest)
+    return dest
+
+
+def edit_json(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("file,text,message", [
+    ("recipes.json", lambda t: t.replace('"gnmt_alpha": 0.6', '"gnmt_alpha": NaN', 1),
+     "recipes.json: invalid JSON (NaN is not a number JSON allows here (numbers must be finite)"),
+    ("recipes.json", lambda t: t.replace('"max_len_a": 1', '"max_len_a": 1e999', 1),
+     "recipes.json: invalid JSON (1e999 is not finite"),
+    ("schedules.json", lambda t: "[" + t + "]", "schedules.json: expected a JSON object {...}, got list"),
+    ("schedules.json", lambda t: t.replace('"warmup": 8000', '"warmup": -1', 1), "'warmup' must be an integer >= 0"),
+    ("experiments/table3.json", lambda t: t.replace('"rows": [', '"rows": [{"name": "PreNorm: FixNorm, ScaleNorm", '
+                                                    '"model": [], "schedule": "no_warmup"}, ', 1),
+     "rows 'PreNorm: FixNorm, ScaleNorm' and 'PreNorm + FixNorm + ScaleNorm' map to one run folder "
+     "('prenorm-fixnorm-scalenorm'); rename one"),
+    ("experiments/table3.json", lambda t: t.replace('"gl-en"', '"../gl-en"', 1), "bad language pair '../gl-en'"),
+    ("experiments/table3.json", lambda t: t.replace('"gl-en"', '"gl/en"', 1), "bad language pair 'gl/en'"),
+])
+def test_a_bad_config_is_one_line_naming_the_file(configs_copy, file, text, message):
+    path = configs_copy / file
+    path.write_text(text(path.read_text()))
+    with pytest.raises(NormplugError) as error:
+        load_table("table3", str(configs_copy))
+    assert message in str(error.value) and os.path.basename(file) in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_decoding_number_out_of_range_and_a_file_not_utf8_are_refused(configs_copy):
+    edit_json(configs_copy / "recipes.json", lambda d: d["ted"]["decoding"].update(max_len_a=-1))
+    with pytest.raises(NormplugError, match="recipe 'ted': 'decoding' max_len_a must be a number >= 0, got -1"):
+        load_table("table3", str(configs_copy))
+    (configs_copy / "experiments" / "table3.json").write_bytes(b'{"title": "caf\xe9"}')
+    with pytest.raises(NormplugError, match=r"table3.json: not UTF-8 text \(invalid continuation byte at byte 14\)"):
+        load_table("table3", str(configs_copy))
+
+
+def test_names_and_flags_are_refused_before_any_work(tmp_path, capsys):
+    """A pair name with '/' on the command line, --lr under a schedule that ignores it, an
+    unbalanced quote: one line each, nothing created; a quoted value stays one flag value."""
+    runs = tmp_path / "runs"
+    for argv, message in (
+            (["table3", "gl/en"], "reproduce.sh: error: command line: bad language pair 'gl/en'; write it as SRC-TGT "
+                                  "with 2-3 letter lower-case language codes, e.g. gl-en"),
+            (["table3", "gl-en", "--data", "../x=y"], "reproduce.sh: error: --data: bad language pair '../x'; write "
+                                                      "it as SRC-TGT with 2-3 letter lower-case language codes, e.g. gl-en"),
+            (["table3", "gl-en", "--train-flags", "--lr 3e-3"],
+             "reproduce.sh: error: table3 row 'PostNorm + LayerNorm': --lr 3e-3 is ignored by --lr-scheduler "
+             "inv_sqrt_decay (its peak lr is eq. 7's, set by --lr-lambda); give --lr-lambda instead"),
+            (["table3", "gl-en", "--train-flags", "--adam-betas '(0.9, 0.999)"],
+             "reproduce.sh: error: --train-flags \"--adam-betas '(0.9, 0.999)\": No closing quotation (it is split like a shell command line)")):
+        with pytest.raises(SystemExit) as exit_info:
+            reproduce.main([*argv, "--runs-dir", str(runs), "--print-commands"])
+        assert exit_info.value.code == message
+    assert not runs.exists()
+    reproduce.main(["table3", "gl-en", "--rows", "PreNorm + FixNorm + ScaleNorm", "--runs-dir", str(runs),
+                    "--train-flags", "--adam-betas '(0.9, 0.98)'", "--print-commands"])
+    assert "--adam-betas '(0.9, 0.98)' --save-interval-updates" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the lock's rules
+
+
+def write_lock(folder, host, pid, heartbeat_age=0.0, slurm_job=None):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ownership.LOCK_NAME), "w") as f:
+        json.dump({"host": host, "pid": pid, "slurm_job": slurm_job, "token": "other",
+                   "heartbeat": time.time() - heartbeat_age}, f)
+
+
+def test_a_live_owner_keeps_its_run_and_a_dead_one_loses_it(tmp_path, monkeypatch):
+    folder = str(tmp_path / "run")
+    here = socket.gethostname()
+    write_lock(folder, "node-7", 1234, heartbeat_age=60)  # another node, beating: held
+    holder = ownership.RunOwnership(folder).acquire()
+    assert holder.host == "node-7" and holder.describe().startswith("host node-7 pid 1234 (heartbeat 60 s ago)")
+    write_lock(folder, "node-7", 1234, heartbeat_age=ownership.STALE_AFTER_S + 5)  # no heartbeat: taken
+    owner = ownership.RunOwnership(folder)
+    assert owner.acquire() is None and owner.took_over[1].startswith("no heartbeat for ")
+    assert ownership.read_holder(os.path.join(folder, ownership.LOCK_NAME)).pid == os.getpid()
+    assert ownership.RunOwnership(folder).acquire().pid == os.getpid()  # another launcher here: held
+    owner.release()
+    assert not os.path.exists(os.path.join(folder, ownership.LOCK_NAME))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write_lock(folder, here, int(dead.stdout))  # this host, its process gone: taken at once
+    owner = ownership.RunOwnership(folder)
+    assert owner.acquire() is None and owner.took_over[1] == "its process is gone"
+    owner.release()
+    # a requeued SLURM job (its id on another node's lock) takes its own run back at once
+    write_lock(folder, "node-7", 1234, slurm_job="991_3")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "991")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    owner = ownership.RunOwnership(folder)
+    assert owner.acquire() is None and owner.took_over[1] == "a requeued SLURM job takes its own run back"
+    owner.release()
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4")  # another task of the array: held
+    write_lock(folder, "node-7", 1234, slurm_job="991_3")
+    assert ownership.RunOwnership(folder).acquire().slurm_job == "991_3"
+
+
+def test_the_heartbeat_is_rewritten_and_a_taken_over_lock_is_left_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(ownership, "HEARTBEAT_S", 0.05)
+    folder = str(tmp_path / "run")
+    os.makedirs(folder)
+    owner = ownership.RunOwnership(folder)
+    assert owner.acquire() is None
+    path = os.path.join(folder, ownership.LOCK_NAME)
+    first = ownership.read_holder(path).heartbeat
+    wait_for(lambda: ownership.read_holder(path).heartbeat > first, timeout=10)
+    write_lock(folder, "node-7", 1234)  # taken over meanwhile (this owner looked dead)
+    time.sleep(0.2)
+    owner.release()
+    assert ownership.read_holder(path).host == "node-7"
+
+
+def test_a_run_held_elsewhere_waits_and_is_executed_once_it_is_released(tmp_path):
+    """The launcher executes the other runs first, comes back to the held one, and executes
+    it once its owner has released it; the held run's owner is named once."""
+    calls, messages = [], []
+    held_until = time.time() + 0.5
+
+    def fake_execute(run, extra, echo):
+        calls.append(run.row.name)
+        if run.row.name == "PreNorm" and time.time() < held_until:
+            return {"status": "running", "held_by": "host node-7 pid 1234"}
+        return {"status": "done"}
+
+    table = load_table("demo")
+    runs = [runner.Run(table=table, row=row, pair="src-tgt", data_dir=str(tmp_path), run_dir=str(tmp_path / row.name))
+            for row in (table.rows[0], dataclasses.replace(table.rows[0], name="PreNorm"))]
+    launcher = LocalLauncher(visible_devices=[], execute=fake_execute)
+    launchers_poll = launchers.HELD_POLL_S
+    try:
+        launchers.HELD_POLL_S = 0.1
+        launcher.execute(runs, [], messages.append)
+    finally:
+        launchers.HELD_POLL_S = launchers_poll
+    assert calls[:2] == [runs[0].row.name, "PreNorm"] and calls[-1] == "PreNorm" and len(calls) >= 3
+    assert sum("held by host node-7 pid 1234" in m for m in messages) == 1
+
+
+# --------------------------------------------------------------------------- --preflight
+
+
+def over_8_positions(path):
+    """(count, index and length of the longest) of the sentences over 8 tokens with </s>."""
+    lengths = [len(line.split()) + 1 for line in open(path, encoding="utf-8")]
+    longest = lengths.index(max(lengths))
+    return sum(length > 8 for length in lengths), longest, lengths[longest]
+
+
+def test_preflight_names_a_mistyped_flag_and_a_dev_sentence_over_the_positions(trust, tiny_raw, main_of):
+    root = trust[0]
+    (dev, dev_longest, dev_length), (test, _, _) = (over_8_positions(os.path.join(tiny_raw, f"{split}.src"))
+                                                    for split in ("valid", "test"))
+    code, lines = main_of("mistakes", "mistakes", "--preflight")
+    assert code == "reproduce.sh: preflight: 3 problem(s), listed above; nothing was run"
+    problems = [line for line in lines if line.startswith("[preflight] PROBLEM: ")]
+    assert problems[0] == ("[preflight] PROBLEM: mistakes src-tgt | PreNorm: the flags do not parse: fairseq-train: "
+                           "error: unrecognized arguments: --prenrom")
+    assert problems[1] == (f"[preflight] PROBLEM: src-tgt: {dev} dev sentence(s) longer than the 8 source positions "
+                           f"of row 'PreNorm 8 positions' (the longest, #{dev_longest}, has {dev_length} tokens with "
+                           f"</s>); raise --max-source-positions or shorten the dev set")
+    assert problems[2].startswith(f"[preflight] PROBLEM: src-tgt: {test} test sentence(s) longer than the 8 source ")
+    assert len(problems) == 3 and not (root / "mistakes" / "runs").exists()
+
+
+def test_preflight_of_a_good_table_reports_speed_memory_and_time(trust, main_of):
+    root = trust[0]
+    code, lines = main_of("trust", "good", "--preflight")
+    assert code == 0, lines
+    for row in ("PreNorm", "PreNorm + ScaleNorm"):
+        report = next(line for line in lines if line.startswith(f"[preflight] trust src-tgt | {row}: ")
+                      and "tokens/s" in line)
+        tokens, rest = report.split(": ", 1)[1].split(" target tokens/s, ")
+        assert float(tokens.replace(",", "")) > 0
+        assert " updates/s, peak CPU resident memory " in rest and "1 run(s) x at most 10 updates: " in rest
+    assert lines[-1].startswith("[preflight] 2 configuration(s), 2 run(s): at most ")
+    assert lines[-1].endswith(" free; 0 problem(s)") and not (root / "good").exists()
+
+
+class LocalSlurm(launchers.SlurmLauncher):
+    """--launcher slurm with submitit's local executor (no scheduler here)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(cluster="local", **kwargs)
+
+
+def test_slurm_runs_the_preflight_as_one_job_and_submits_nothing_when_it_fails(trust, main_of, monkeypatch):
+    root = trust[0]
+    monkeypatch.setattr(launchers, "SlurmLauncher", LocalSlurm)
+    submitted = []
+    monkeypatch.setattr(LocalSlurm, "execute", lambda self, runs, extra, echo: submitted.append(runs))
+    jobs = root / "mistakes-slurm" / "jobs"
+    code, lines = main_of("mistakes", "mistakes-slurm", "--launcher", "slurm", "--devices-per-run", "0",
+                          "--slurm-folder", str(jobs))
+    assert code == "reproduce.sh: preflight: 3 problem(s), listed above; nothing was submitted"
+    assert lines[0].startswith("[preflight] job ") and sum("PROBLEM" in line for line in lines) == 3
+    assert len([job for job in os.listdir(jobs) if job != "%j"]) == 1 and not submitted and not (root / "mistakes-slurm" / "runs").exists()
+    code, lines = main_of("trust", "good-slurm", "--launcher", "slurm", "--devices-per-run", "0", "--rows",
+                          "PreNorm", "--slurm-folder", str(root / "good-slurm" / "jobs"))
+    assert len(submitted) == 1 and [run.row.name for run in submitted[0]] == ["PreNorm"]
+    assert any(line.startswith("[preflight] trust src-tgt | PreNorm: ") and "tokens/s" in line for line in lines)

@@ -11,8 +11,8 @@
   (each run keeps checkpoint_last.pt, checkpoint_best.pt and one interval checkpoint, and a
   save copies one more: 4 checkpoints of the size the short training below writes);
 * every distinct configuration (a row on a pair; seeds share it) trains :data:`UPDATES`
-  updates with the run's real batching and devices, in a temporary folder outside the run
-  folders: the model builds, and its tokens/s, updates/s, peak memory (GPU memory on GPU,
+  updates with the run's real batching and devices, and validates (dev BLEU too) on one dev
+  batch, in a temporary folder outside the run folders: the model builds, and its tokens/s, updates/s, peak memory (GPU memory on GPU,
   the process's resident memory on CPU) and the time of the table's runs at that speed
   (``--max-update`` updates each: an upper bound, decoding not included) are reported.
 
@@ -40,6 +40,8 @@ from fairseq_normplug.experiments.runner import Run, last_flag_value, subword_me
 UPDATES = 4
 #: checkpoints a run holds at once (last, best, one interval checkpoint, a save being copied)
 CHECKPOINTS_PER_RUN = 4
+#: fairseq's transformer positions when neither the flags nor the architecture set them
+FAIRSEQ_POSITIONS = 1024
 #: the flags of a run's command that differ between its seeds (a configuration is the rest)
 PER_RUN_FLAGS = ("--seed", "--save-dir")
 
@@ -108,7 +110,7 @@ def sentence_lengths(data_dir: str, pair: str, split: str, lang: str):
 
     src, tgt = pair.split("-")
     dataset = data_utils.load_indexed_dataset(os.path.join(data_dir, "bin", f"{split}.{src}-{tgt}.{lang}"), None)
-    return dataset.sizes
+    return [int(size) for size in dataset.sizes]  # a copy: the sizes are a view of the file, closed with it
 
 
 def parse_train_command(command: Sequence[str]):
@@ -120,6 +122,7 @@ def parse_train_command(command: Sequence[str]):
     try:
         with contextlib.redirect_stderr(error):
             parser = options.get_training_parser()
+            parser.prog = "fairseq-train"
             return options.parse_args_and_arch(parser, list(command[1:]))
     except SystemExit:
         lines = [line for line in error.getvalue().strip().splitlines() if line.strip()]
@@ -130,8 +133,8 @@ def positions_problems(run: Run, args) -> List[str]:
     """One line per dev/test set side with a sentence longer than the model's positions."""
     problems = []
     for split, name in (("valid", "dev"), ("test", "test")):
-        for lang, side, limit in ((run.src, "source", args.max_source_positions),
-                                  (run.tgt, "target", args.max_target_positions)):
+        for lang, side in ((run.src, "source"), (run.tgt, "target")):
+            limit = getattr(args, f"max_{side}_positions", None) or FAIRSEQ_POSITIONS
             sizes = sentence_lengths(run.data_dir, run.pair, split, lang)
             over = [index for index, size in enumerate(sizes) if size > limit]
             if over:
@@ -157,8 +160,9 @@ def short_training(run: Run, command: List[str], folder: str, updates: int) -> d
     memory: tokens_per_second, updates_per_second, peak_memory_gb (+ memory_kind),
     checkpoint_bytes."""
     save_dir = os.path.join(folder, "checkpoints")
-    short = [*command, "--max-update", str(updates), "--save-dir", save_dir, "--disable-validation",
-             "--log-interval", "1", "--save-interval-updates", "0", "--no-epoch-checkpoints"]
+    short = [*command, "--max-update", str(updates), "--save-dir", save_dir, "--max-valid-steps", "1",
+             "--log-interval", "1", "--validate-interval-updates", "0", "--save-interval-updates", "0",
+             "--no-epoch-checkpoints"]  # one dev batch, decoded, at the end
     proc = subprocess.Popen(short, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, **run.env(), "PYTHONUNBUFFERED": "1"})
     log = proc.stdout.read()
