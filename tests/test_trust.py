@@ -20,6 +20,7 @@ import time
 import pytest
 
 from conftest import FAST_START, REPO
+from test_kill_rerun import KILL_HOOK
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers, ownership, preflight, reproduce, runner
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
@@ -57,12 +58,12 @@ LAUNCHER = textwrap.dedent("""
     sys.exit(1 if results.failed else 0)
 """)
 
-#: test-only: with NORMPLUG_TEST_ENOSPC_AT=N, fairseq-train's save of update N writes half the
-#: checkpoint and fails as a full disk does (OSError ENOSPC)
-ENOSPC_HOOK = textwrap.dedent('''
-    import errno, importlib.machinery, io, os, sys
+#: test-only, added to test_kill_rerun's hook: with NORMPLUG_TEST_ENOSPC_AT=N, fairseq-train's
+#: save of update N writes half the checkpoint and fails as a full disk does (OSError ENOSPC)
+ENOSPC_HOOK = KILL_HOOK + textwrap.dedent('''
+    import errno, io
 
-    def patch(module):
+    def full_disk(module):
         def full_disk_save(obj, f):
             if obj["optimizer_history"][-1]["num_updates"] == int(os.environ["NORMPLUG_TEST_ENOSPC_AT"]):
                 data = io.BytesIO()
@@ -72,21 +73,8 @@ ENOSPC_HOOK = textwrap.dedent('''
             return module.torch.save(obj, f)
         module._torch_persistent_save = full_disk_save
 
-    class PatchAfterImport:
-        def find_spec(self, fullname, path=None, target=None):
-            if fullname != "fairseq.checkpoint_utils":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            exec_module = spec.loader.exec_module
-            def exec_and_patch(module):
-                exec_module(module)
-                patch(module)
-            spec.loader.exec_module = exec_and_patch
-            return spec
-
     if os.environ.get("NORMPLUG_TEST_ENOSPC_AT"):
-        sys.meta_path.insert(0, PatchAfterImport())
+        sys.meta_path.insert(0, PatchAfterImport("fairseq.checkpoint_utils", full_disk))
 ''')
 
 
@@ -274,11 +262,11 @@ def test_a_diverging_row_and_an_undecodable_test_sentence(trust, long_test_sente
     assert "| PostNorm lr 1 | *diverged* |" in markdown and "| PreNorm 40 positions | *failed* |" in markdown
     folder = root / "faults" / "runs" / "faults" / "src-tgt"
     status = json.loads((folder / "postnorm-lr-1" / "status.json").read_text())
-    vocabulary = runner.target_vocabulary_size(long_test_sentence, "tgt")
+    uniform = math.log2(runner.target_vocabulary_size(long_test_sentence, "tgt"))
     loss = float(status["diverged"].split("dev loss ")[1].split()[0])
-    assert loss > math.log2(vocabulary) + runner.DIVERGENCE_MARGIN_BITS
-    assert f"at update 5, worse than a uniform guess over the target vocabulary ({math.log2(vocabulary):.2f} bits)" \
-        in status["diverged"]
+    assert loss > 2 * uniform and rows["PostNorm lr 1"]["stopped_by"] == status["diverged"]
+    assert status["diverged"] == (f"dev loss {loss:g} bits per token at update 5, over 2 times a uniform guess over "
+                                  f"the target vocabulary ({uniform:.2f} bits)")
     assert lines[-2] == "[reproduce] 1 run(s) FAILED:"
     assert lines[-1].startswith("[reproduce] FAILED faults src-tgt | PreNorm 40 positions: trained, not evaluated: "
                                 "fairseq-generate failed for faults src-tgt | PreNorm 40 positions: ")
@@ -455,6 +443,9 @@ def test_a_live_owner_keeps_its_run_and_a_dead_one_loses_it(tmp_path, monkeypatc
     write_lock(folder, "node-7", 1234, heartbeat_age=60)  # another node, beating: held
     holder = ownership.RunOwnership(folder).acquire()
     assert holder.host == "node-7" and holder.describe().startswith("host node-7 pid 1234 (heartbeat 60 s ago)")
+    with pytest.raises(NormplugError, match=r"^table3 gl-en \| PreNorm is held by host node-7 pid 1234 "):
+        with ownership.owned(folder, "table3 gl-en | PreNorm"):  # scripts/train.sh
+            pass
     write_lock(folder, "node-7", 1234, heartbeat_age=ownership.STALE_AFTER_S + 5)  # no heartbeat: taken
     owner = ownership.RunOwnership(folder)
     assert owner.acquire() is None and owner.took_over[1].startswith("no heartbeat for ")
@@ -582,3 +573,19 @@ def test_slurm_runs_the_preflight_as_one_job_and_submits_nothing_when_it_fails(t
                           "PreNorm", "--slurm-folder", str(root / "good-slurm" / "jobs"))
     assert len(submitted) == 1 and [run.row.name for run in submitted[0]] == ["PreNorm"]
     assert any(line.startswith("[preflight] trust src-tgt | PreNorm: ") and "tokens/s" in line for line in lines)
+
+
+def test_the_divergence_rules_on_validation_records():
+    """An untrained model a bit above a uniform guess is not diverged (a tiny model at update
+    3: 7.652 bits against 6.32); twice a guess, NaN, or back above a guess after having learned is."""
+    def record(loss):
+        return {"valid_loss": loss, "valid_num_updates": "20"}
+
+    assert runner.diverged_at(record("7.652"), 6.32, learned=False) is None
+    assert runner.diverged_at(record("130.5"), 6.32, learned=False) == (
+        "dev loss 130.5 bits per token at update 20, over 2 times a uniform guess over the target vocabulary "
+        "(6.32 bits)")
+    assert runner.diverged_at(record("nan"), None, learned=False) == "dev loss nan at update 20"
+    assert runner.diverged_at(record("7.652"), 6.32, learned=True).endswith("(6.32 bits) after it had been better")
+    assert runner.diverged_at(record("5.1"), 6.32, learned=True) is None
+    assert runner.diverged_at({"valid_bleu": "3"}, 6.32, learned=True) is None

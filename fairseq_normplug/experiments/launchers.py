@@ -1,7 +1,9 @@
 """Where and how the runs of a table are executed (``scripts/reproduce.sh --launcher``).
 
-Every launcher executes the same function per run, :func:`execute_run`: train (resume, or skip
-a finished run), then evaluate; the run's fairseq processes get its environment
+Every launcher executes the same function per run, :func:`execute_run`: take the run folder
+(its one owner, :mod:`.ownership`: a run another live launcher holds is left to it and tried
+again later), train (resume, or skip a finished run), then evaluate; the run's fairseq
+processes get its environment
 (:meth:`Run.env`: ``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``). So a run on this machine and a
 run in a SLURM job run exactly the same code.
 
@@ -28,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.ownership import RunOwnership, live_holder
+from fairseq_normplug.experiments.ownership import RunOwnership, live_holder, zombie
 from fairseq_normplug.experiments.preflight import check_table
 from fairseq_normplug.experiments.runner import Run, evaluate, read_scores, train
 
@@ -255,19 +257,11 @@ def stop_descendants(grace_s: float = 60.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.time() + grace_s
-    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in pids):
+    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class RunJob:

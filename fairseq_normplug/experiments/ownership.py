@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Optional
 
+from fairseq_normplug.errors import NormplugError
+
 LOCK_NAME = "owner.lock"
 TAKEOVER_NAME = LOCK_NAME + ".takeover"
 #: seconds between two heartbeats of a live owner
@@ -46,19 +48,24 @@ def slurm_job() -> Optional[str]:
     return os.environ.get("SLURM_JOB_ID") or None
 
 
+def zombie(pid: int) -> bool:
+    """Whether process ``pid`` has ended but is not reaped yet (or cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (a zombie counts as gone)."""
+    """Whether process ``pid`` runs on this host (a zombie counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    except PermissionError:  # another user's: alive
+        pass
+    return not zombie(pid)
 
 
 @dataclass(frozen=True)
@@ -200,6 +207,21 @@ class RunOwnership:
         if holder is not None and holder.token == self.me.token:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
+
+
+@contextlib.contextmanager
+def owned(run_dir: str, label: str):
+    """The run folder as its only owner for the block (``scripts/train.sh``, ``evaluate.sh``);
+    a run another live launcher holds is a NormplugError naming the holder."""
+    os.makedirs(run_dir, exist_ok=True)
+    owner = RunOwnership(run_dir)
+    holder = owner.acquire()
+    if holder is not None:
+        raise NormplugError(f"{label} is held by {holder.describe()}: it trains there")
+    try:
+        yield owner
+    finally:
+        owner.release()
 
 
 def live_holder(run_dir: str) -> Optional[Holder]:

@@ -168,8 +168,6 @@ def short_training(run: Run, command: List[str], folder: str, updates: int) -> d
     log = proc.stdout.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    with open(os.path.join(folder, "train.log"), "w", encoding="utf-8") as f:
-        f.write(log)
     if proc.returncode != 0:
         lines = [line for line in log.strip().splitlines() if line.strip()]
         return {"error": f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"}
@@ -187,11 +185,12 @@ def short_training(run: Run, command: List[str], folder: str, updates: int) -> d
 
 
 def _size(num_bytes: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if num_bytes < 1024 or unit == "GB":
-            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes:.0f} B"
+    """``12 B``, ``3.4 KB``, ... up to GB."""
+    for unit in ("B", "KB", "MB"):
+        if num_bytes < 1024:
+            return f"{num_bytes:.0f} B" if unit == "B" else f"{num_bytes:.1f} {unit}"
         num_bytes /= 1024
-    return ""
+    return f"{num_bytes:.1f} GB"
 
 
 def check_table(runs: List[Run], extra_train: Sequence[str], runs_dir: str, results_dir: str,

@@ -5,8 +5,9 @@ Resumable: finished rows are skipped, interrupted ones resume from their last ch
 diverged ones stay recorded as diverged. Runs go one after another on this machine, or
 ``--jobs N`` at once (``--devices-per-run K`` GPUs each), or as SLURM jobs (``--launcher slurm``;
 experiments/launchers.py); ``--seeds`` trains every cell with several seeds. ``--print-commands``,
-``--status`` and ``--collect`` look at a table instead of running it. Exits 1 when a run failed
-(a diverged run is a result). See docs/experiments.md.
+``--status``, ``--collect`` and ``--preflight`` (experiments/preflight.py) look at a table instead
+of running it. The table is written whatever its runs did; exits 1 when a run failed (a diverged
+run is a result). See docs/experiments.md.
 """
 import argparse
 import json

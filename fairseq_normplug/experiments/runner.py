@@ -33,8 +33,10 @@ What the runner adds to every recipe (docs/fidelity.md):
   a run uses what its process sees, as fairseq-train does.
 
 Everything is resumable: a finished run is skipped, an interrupted one continues from
-``checkpoint_last.pt``, and a run whose loss or gradients became NaN/Inf is recorded as
-``diverged`` (a result, as in the paper's Tables 2 and 5), not raised as an error. Outputs
+``checkpoint_last.pt``, and a run that diverged is recorded as ``diverged`` (a result, as in the
+paper's Tables 2 and 5), not raised as an error: its loss or gradients became NaN/Inf, a dev loss
+was worse than a uniform guess over the target vocabulary (:func:`diverged_at`; training is
+stopped there), or no dev BLEU could be computed. Outputs
 are written to temporary names and renamed, so nothing half-written is ever trusted. A job
 killed at any moment (SIGKILL, a node lost) continues when the same command runs again:
 checkpoints it left half-copied are deleted and its interrupted save is finished first
@@ -75,10 +77,10 @@ DIVERGENCE_MARKERS = {
 }
 #: the states of a run's status.json ("pending": none yet)
 RUN_STATES = ("pending", "running", "done", "diverged", "failed")
-#: a dev loss this many bits per token above a uniform guess over the target vocabulary
-#: (log2 |V|) is a divergence: twice the uniform guess's perplexity, which no training reaches
-#: by learning; it leaves room for an untrained model's first validation just above log2 |V|
-DIVERGENCE_MARGIN_BITS = 1.0
+#: a dev loss over this many times a uniform guess's (log2 |V| bits per token) is a divergence
+#: at any validation; an untrained model's first validations may be somewhat above log2 |V|
+#: (a tiny model at update 3: 7.65 bits against 6.32), a diverged one is far above (98-130 bits)
+DIVERGENCE_FACTOR = 2.0
 #: fairseq's main branch drops the last batch unless it is a multiple of this (README)
 ALL_BATCHES = ["--required-batch-size-multiple", "1"]
 TASK = ["--task", "translation_normplug"]
@@ -434,27 +436,48 @@ def target_vocabulary_size(data_dir: str, tgt: str) -> Optional[int]:
         return sum(1 for line in f if line.strip()) + 4
 
 
-def divergence_limit(run: "Run") -> Optional[float]:
-    """The dev loss (bits per token, fairseq's unit) above which ``run`` has diverged:
-    log2 |V| of its target vocabulary (a uniform guess) plus :data:`DIVERGENCE_MARGIN_BITS`."""
+def uniform_guess_bits(run: "Run") -> Optional[float]:
+    """log2 |V| of the run's target vocabulary: the dev loss (bits per token, fairseq's unit)
+    of a uniform guess; None without a dictionary."""
     size = target_vocabulary_size(run.data_dir, run.tgt)
-    return None if size is None else math.log2(size) + DIVERGENCE_MARGIN_BITS
+    return None if size is None else math.log2(size)
 
 
-def diverged_at(record: dict, limit: Optional[float]) -> Optional[str]:
-    """Why a validation ``record`` shows a diverged run (dev loss NaN, inf, or over ``limit``
-    bits), None when it does not."""
+def dev_loss(record: Optional[dict]) -> Optional[float]:
+    """The dev loss of a validation record (NaN and inf included), None without one."""
     try:
-        loss = float(record.get("valid_loss"))
-    except (TypeError, ValueError):
+        return float(record.get("valid_loss"))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def valid_losses(log_path: str) -> List[float]:
+    """The dev losses a train.log recorded so far (an earlier attempt's, for a resumed run)."""
+    if not os.path.exists(log_path):
+        return []
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        losses = [dev_loss(valid_record(line)) for line in f]
+    return [loss for loss in losses if loss is not None]
+
+
+def diverged_at(record: dict, uniform: Optional[float], learned: bool) -> Optional[str]:
+    """Why a validation ``record`` shows a diverged run, None when it does not: a NaN or inf
+    dev loss; a dev loss over :data:`DIVERGENCE_FACTOR` times a uniform guess's (``uniform``
+    bits); or, once the run has ``learned`` (an earlier dev loss below ``uniform``), a dev loss
+    worse than a uniform guess again."""
+    loss = dev_loss(record)
+    if loss is None:
         return None
     update = record.get("valid_num_updates", "?")
     if not math.isfinite(loss):
         return f"dev loss {loss} at update {update}"
-    if limit is not None and loss > limit:
-        return (f"dev loss {loss:g} bits per token at update {update}, worse than a uniform guess over the "
-                f"target vocabulary ({limit - DIVERGENCE_MARGIN_BITS:.2f} bits) by more than "
-                f"{DIVERGENCE_MARGIN_BITS:g}")
+    if uniform is None:
+        return None
+    guess = f"a uniform guess over the target vocabulary ({uniform:.2f} bits)"
+    if loss > DIVERGENCE_FACTOR * uniform:
+        return f"dev loss {loss:g} bits per token at update {update}, over {DIVERGENCE_FACTOR:g} times {guess}"
+    if learned and loss > uniform:
+        return f"dev loss {loss:g} bits per token at update {update}, worse than {guess} after it had been better"
     return None
 
 
@@ -512,7 +535,8 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if last is not None else 'starting'}); "
          f"log: {run.path('train.log')}")
-    tail, diverged, limit = [], None, divergence_limit(run)
+    tail, diverged, uniform = [], None, uniform_guess_bits(run)
+    learned = uniform is not None and any(loss < uniform for loss in valid_losses(run.path("train.log")))
     _end_last_line(run.path("train.log"))
     with open(run.path("train.log"), "a", encoding="utf-8", buffering=1) as log:  # line by line: kept on a kill
         if changes:  # the log says so too, where the resumed training starts
@@ -529,9 +553,12 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
                 # the time trained so far survives a kill (a killed job's minutes count too)
                 run.set_status(minutes=round(minutes_before + (time.time() - started) / 60, 2))
                 if diverged is None:
-                    diverged = diverged_at(valid_record(line), limit)
+                    record = valid_record(line)
+                    diverged = diverged_at(record, uniform, learned)
                     if diverged:  # a result: training it further changes nothing
                         proc.terminate()
+                    loss = dev_loss(record)
+                    learned = learned or (uniform is not None and loss is not None and loss < uniform)
         returncode = proc.wait()
         if diverged:
             log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | fairseq_normplug.experiments.runner | "
