@@ -53,8 +53,8 @@ LAUNCHER = textwrap.dedent("""
     import sys
     from fairseq_normplug.experiments.configs import load_table
     from fairseq_normplug.experiments.reproduce import run_table
-    configs, table, data, runs, results = sys.argv[1:]
-    results = run_table(load_table(table, configs), ["src-tgt"], {"src-tgt": data}, runs, results)
+    configs, table, data, runs, results, *rows = sys.argv[1:]
+    results = run_table(load_table(table, configs), ["src-tgt"], {"src-tgt": data}, runs, results, rows)
     sys.exit(1 if results.failed else 0)
 """)
 
@@ -145,15 +145,15 @@ def reference(trust):
     return table_csv(out)
 
 
-def start_launcher(trust, out, name, env=None):
-    """A launcher of the two-row table on the runs folder ``out``/runs; its results go to
-    ``out``/``name``-results, its output to ``name``.log."""
+def start_launcher(trust, out, name, rows=()):
+    """A launcher of the two-row table (or of its ``rows``) on the runs folder ``out``/runs; its
+    results go to ``out``/``name``-results, its output to ``name``.log."""
     root, configs, data = trust
     log = open(root / f"{name}.log", "w")
     return subprocess.Popen([sys.executable, str(root / "launcher.py"), configs, "trust", data, str(root / out / "runs"),
-                             str(root / out / f"{name}-results")],
+                             str(root / out / f"{name}-results"), *rows],
                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_HELD_POLL": "0.3", **(env or {})})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_HELD_POLL": "0.3"})
 
 
 def finish(proc, timeout=300):
@@ -210,7 +210,7 @@ def test_a_second_launcher_started_while_the_first_trains_waits_for_it(trust, re
 
 def test_a_killed_owners_run_is_taken_over_and_ends_as_if_uninterrupted(trust, reference):
     root = trust[0]
-    killed = start_launcher(trust, "takeover", "killed")
+    killed = start_launcher(trust, "takeover", "killed", rows=["PreNorm"])
     folder = run_dir(root / "takeover", "prenorm")
     wait_for(lambda: runner.checkpoint_safety.read_checkpoint(os.path.join(folder, "checkpoints", "checkpoint_last.pt"))
              is not None or killed.poll() is not None)
@@ -219,11 +219,11 @@ def test_a_killed_owners_run_is_taken_over_and_ends_as_if_uninterrupted(trust, r
     holder = ownership.read_holder(os.path.join(folder, ownership.LOCK_NAME))
     assert holder is not None and holder.host == socket.gethostname()
     wait_for(lambda: not ownership.pid_alive(holder.pid))
-    assert finish(start_launcher(trust, "takeover", "taker")) == 0
+    assert finish(start_launcher(trust, "takeover", "taker", rows=["PreNorm"])) == 0
     log = (root / "taker.log").read_text()
     assert f"took the run over from host {holder.host} pid {holder.pid}" in log and "its process is gone" in log
     assert "[trust src-tgt | PreNorm] training (resuming)" in log
-    assert table_csv(root / "takeover", "taker-results") == reference
+    assert table_csv(root / "takeover", "taker-results") == reference[:1]
 
 
 @pytest.fixture
@@ -272,9 +272,9 @@ def test_a_diverging_row_and_an_undecodable_test_sentence(trust, long_test_sente
                                 "fairseq-generate failed for faults src-tgt | PreNorm 40 positions: ")
     assert "is invalid" in lines[-1] and lines[-1].endswith(f"log: {folder / 'prenorm-40-positions' / 'train.log'}")
     assert not list(folder.glob("*/generate-test.txt.tmp-*"))
-    code, lines = main_of("faults", "faults", data_dir=long_test_sentence)
-    assert code == 1 and not any("training (" in line for line in lines)
-    assert any(line.endswith("[faults src-tgt | PostNorm lr 1] diverged: skipped") for line in lines)
+    code, lines = main_of("faults", "faults", "--rows", "PostNorm lr 1", data_dir=long_test_sentence)
+    assert code == 0 and "[faults src-tgt | PostNorm lr 1] diverged: skipped" in lines  # a result: exit 0
+    assert not any("training (" in line for line in lines)
 
 
 def copy_reference_runs(root, out):
@@ -409,10 +409,11 @@ def test_names_and_flags_are_refused_before_any_work(tmp_path, capsys):
     unbalanced quote: one line each, nothing created; a quoted value stays one flag value."""
     runs = tmp_path / "runs"
     for argv, message in (
-            (["table3", "gl/en"], "reproduce.sh: error: command line: bad language pair 'gl/en'; write it as SRC-TGT "
-                                  "with 2-3 letter lower-case language codes, e.g. gl-en"),
+            (["table3", "gl/en"], "reproduce.sh: error: bad language pair 'gl/en'; write it as SRC-TGT, "
+                                  "e.g. gl-en (language codes of 2-3 lower-case letters)"),
             (["table3", "gl-en", "--data", "../x=y"], "reproduce.sh: error: --data: bad language pair '../x'; write "
-                                                      "it as SRC-TGT with 2-3 letter lower-case language codes, e.g. gl-en"),
+                                                      "it as SRC-TGT, e.g. gl-en (language codes of 2-3 lower-case "
+                                                      "letters)"),
             (["table3", "gl-en", "--train-flags", "--lr 3e-3"],
              "reproduce.sh: error: table3 row 'PostNorm + LayerNorm': --lr 3e-3 is ignored by --lr-scheduler "
              "inv_sqrt_decay (its peak lr is eq. 7's, set by --lr-lambda); give --lr-lambda instead"),

@@ -52,12 +52,13 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def check_pair(pair, where: str) -> str:
+def check_pair(pair, where: Optional[str] = None, example: str = "gl-en") -> str:
     """``pair`` if it is ``xx-yy`` (two language codes, see :data:`PAIR_PATTERN`), else a
-    NormplugError: a pair names folders, so ``../x`` or ``a/b`` must never pass."""
+    NormplugError (prefixed with ``where``): a pair names folders, so ``../x`` or ``a/b`` must
+    never pass."""
     if not isinstance(pair, str) or not PAIR_PATTERN.fullmatch(pair):
-        raise NormplugError(f"{where}: bad language pair {pair!r}; write it as SRC-TGT with 2-3 letter "
-                            f"lower-case language codes, e.g. gl-en")
+        raise NormplugError(f"{where + ': ' if where else ''}bad language pair {pair!r}; write it as SRC-TGT, "
+                            f"e.g. {example} (language codes of 2-3 lower-case letters)")
     return pair
 
 

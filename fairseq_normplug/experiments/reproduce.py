@@ -62,7 +62,7 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     selected = [table.row(name) for name in rows] if rows else table.rows
     runs = []
     for pair in pairs:
-        check_pair(pair, "command line")
+        check_pair(pair, example=table.pairs[0])
         if pair not in data_dirs:
             raise NormplugError(f"no data folder for {pair}: pass --data {pair}=DIR or add it to configs/data.json")
         assumed = None

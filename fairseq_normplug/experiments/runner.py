@@ -8,6 +8,7 @@ A run lives in its own folder (``runs/<table>/<pair>/<row-slug>/``)::
     scores.json          test BLEU (tokenized, sacreBLEU with signature, compound-split for en-de),
                          the selected checkpoint's update and dev BLEU
     status.json          running | done | diverged | failed, with updates and minutes
+    owner.lock           while a launcher owns the run (experiments/ownership.py)
 
 What the runner adds to every recipe (docs/fidelity.md):
 
