@@ -23,6 +23,7 @@ and a table is submitted only when it passes.
 import contextlib
 import io
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -108,6 +109,7 @@ def sentence_lengths(data_dir: str, pair: str, split: str, lang: str):
     """Token counts (with </s>, as fairseq compares them to the positions) of one binarized set."""
     from fairseq.data import data_utils
 
+    logging.getLogger(data_utils.__name__).setLevel(logging.WARNING)  # no "loaded N examples" lines
     src, tgt = pair.split("-")
     dataset = data_utils.load_indexed_dataset(os.path.join(data_dir, "bin", f"{split}.{src}-{tgt}.{lang}"), None)
     return [int(size) for size in dataset.sizes]  # a copy: the sizes are a view of the file, closed with it
