@@ -44,6 +44,21 @@ def test_added_rows_get_the_recipe_the_baseline_and_the_extension(table):
     assert with_added_rows(table, ["X=--prenorm"], schedule="no_warmup").row("X").schedule == "no_warmup"
 
 
+def test_a_table_names_its_extensions(table, tmp_path):
+    """``"normplug_modules"`` on a table (every row) or a row, relative to the project folder."""
+    data = {**TABLE, "recipe": "cpu_tiny", "normplug_modules": ["examples/normplug_extension/normplug_extension_example"],
+            "rows": [TABLE["rows"][0], {**TABLE["rows"][1], "normplug_modules": ["my_pkg.norms"]}]}
+    shutil.copytree(CONFIG_DIR, tmp_path / "configs")
+    (tmp_path / "configs" / "experiments" / "own.json").write_text(json.dumps(data))
+    own = load_table("own", str(tmp_path / "configs"))
+    assert own.rows[0].model == ["--normplug-modules", EXTENSION]
+    assert own.rows[1].model == ["--prenorm", "--normplug-modules", f"{EXTENSION},my_pkg.norms"]
+    data["rows"][0]["normplug_modules"] = "x.py"
+    (tmp_path / "configs" / "experiments" / "own.json").write_text(json.dumps(data))
+    with pytest.raises(NormplugError, match="row 1: normplug_modules: expected a list of strings"):
+        load_table("own", str(tmp_path / "configs"))
+
+
 @pytest.mark.parametrize("spec,schedule,message", [
     ("PreNorm=--prenorm", None, "--add-row 'PreNorm': the table small already has a row of that name"),
     ("--prenorm", None, "--add-row '--prenorm': write it as \"NAME=FLAGS\""),

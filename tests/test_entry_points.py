@@ -165,5 +165,6 @@ def test_reproduce_sh_reports_a_bad_pair_in_one_line(row_run):
     proc = row_run[4]
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
-        "reproduce.sh: error: bad language pair 'src_tgt'; write it as SRC-TGT, e.g. src-tgt"]
+        "reproduce.sh: error: bad language pair 'src_tgt'; write it as SRC-TGT, e.g. src-tgt (language codes of "
+        "2-3 lower-case letters)"]
     assert not os.path.exists(proc.runs_dir)

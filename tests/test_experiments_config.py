@@ -74,7 +74,7 @@ def edit_table(config_dir, name, change):
     (lambda d: d.update(recipe="gpu"), "unknown recipe 'gpu'"),
     (lambda d: d["rows"].append(dict(d["rows"][0])), "duplicate row name"),
     (lambda d: d["rows"][0].update(model="--prenorm"), "expected a list of strings"),
-    (lambda d: d.update(pairs=["glen"]), "'pairs' must list language pairs"),
+    (lambda d: d.update(pairs=["glen"]), "'pairs': bad language pair 'glen'"),
 ])
 def test_config_errors_name_the_problem(config_copy, change, message):
     edit_table(config_copy, "table3", change)

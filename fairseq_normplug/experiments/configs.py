@@ -16,10 +16,14 @@
 * ``configs/data.json``: where each language pair's prepared data lives.
 
 A typo anywhere (unknown key, unknown schedule/recipe/baseline, duplicate row) is a
-:class:`NormplugError` naming the file, the place and the valid choices.
+:class:`NormplugError` naming the file, the place and the valid choices. So is a file that is
+not a UTF-8 JSON object, a number that is not finite (``NaN``, ``Infinity``, ``1e999``) or out
+of its range, two rows whose names map to one run folder, and a pair name that is not ``xx-yy``.
 """
 import json
+import math
 import os
+import re
 import shlex
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Union
@@ -29,8 +33,8 @@ from fairseq_normplug.resources import CONFIG_DIR, PROJECT_DIR
 
 EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
 
-TABLE_KEYS = {"title", "recipe", "pairs", "rows"}
-ROW_KEYS = {"name", "model", "schedule", "baseline", "train", "paper"}
+TABLE_KEYS = {"title", "recipe", "pairs", "rows", "normplug_modules"}
+ROW_KEYS = {"name", "model", "schedule", "baseline", "train", "paper", "normplug_modules"}
 RECIPE_KEYS = {"description", "base", "pairs", "arch", "train", "unset", "decoding", "generate",
                "tokens_per_update", "warmup_scale", "lr_lambda_scale", "lr_scale"}
 #: keys of a recipe's ``decoding`` spec: fairseq generation options, plus the task's GNMT alpha,
@@ -39,6 +43,23 @@ DECODING_KEYS = {"beam", "gnmt_alpha", "gnmt_search", "batch_length_cap", "lenpe
 #: what a recipe does not inherit from its base
 NOT_INHERITED = ("description", "pairs", "base", "unset")
 SCHEDULE_KEYS = {"description", "flags", "warmup"}
+#: a language pair: two language codes of 2-3 lower-case letters (also a safe folder name)
+PAIR_PATTERN = re.compile(r"[a-z]{2,3}-[a-z]{2,3}")
+
+
+def slug(name: str) -> str:
+    """A row's run-folder name: its name lower-cased, every run of other characters one ``-``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def check_pair(pair, where: Optional[str] = None, example: str = "gl-en") -> str:
+    """``pair`` if it is ``xx-yy`` (two language codes, see :data:`PAIR_PATTERN`), else a
+    NormplugError (prefixed with ``where``): a pair names folders, so ``../x`` or ``a/b`` must
+    never pass."""
+    if not isinstance(pair, str) or not PAIR_PATTERN.fullmatch(pair):
+        raise NormplugError(f"{where + ': ' if where else ''}bad language pair {pair!r}; write it as SRC-TGT, "
+                            f"e.g. {example} (language codes of 2-3 lower-case letters)")
+    return pair
 
 
 @dataclass(frozen=True)
@@ -101,14 +122,33 @@ class Table:
         raise NormplugError(f"{self.name}: no row named {name!r}; rows: {', '.join(r.name for r in self.rows)}")
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows here (numbers must be finite)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not finite")
+    return value
+
+
 def _read_json(path: str) -> dict:
+    """The JSON object in ``path``, every number finite; a missing file, one that is not UTF-8
+    JSON (``NaN`` and ``Infinity`` included), or JSON that is not an object is a one-line
+    :class:`NormplugError` naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f, parse_constant=_no_constant, parse_float=_finite_float)
     except FileNotFoundError:
         raise NormplugError(f"config file not found: {path}") from None
-    except json.JSONDecodeError as error:
+    except UnicodeDecodeError as error:
+        raise NormplugError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except ValueError as error:  # json.JSONDecodeError, and the two hooks' errors
         raise NormplugError(f"{path}: invalid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise NormplugError(f"{path}: expected a JSON object {{...}}, got {type(data).__name__}")
+    return data
 
 
 def _check_keys(data: dict, allowed: set, where: str, required=()) -> None:
@@ -126,6 +166,19 @@ def _check_flags(value, where: str) -> List[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise NormplugError(f"{where}: expected a list of strings (command-line flags), got {value!r}")
     return list(value)
+
+
+def extension_flags(modules: Sequence[str], base: str = ".") -> List[str]:
+    """``--normplug-modules`` for a row's extensions (docs/extending.md): a path (relative ones
+    from ``base``) made absolute, so the row's commands find it from any folder; a module name
+    as it is. No flag without extensions."""
+    if not modules:
+        return []
+    items = []
+    for item in modules:
+        path = os.path.join(base, item)
+        items.append(os.path.abspath(path) if os.path.exists(path) else item)
+    return ["--normplug-modules", ",".join(items)]
 
 
 def _named_entries(path: str) -> Dict[str, dict]:
@@ -197,12 +250,20 @@ def _recipe(name: str, data: dict, where: str) -> Recipe:
     for key in ("gnmt_search", "batch_length_cap"):
         if decoding.get(key) is not None and not isinstance(decoding[key], bool):
             raise NormplugError(f"{where}: 'decoding' {key} must be true, false or null, got {decoding[key]!r}")
+    for key, least, kind in (("gnmt_alpha", 0, (int, float)), ("lenpen", 0, (int, float)),
+                             ("max_len_a", 0, (int, float)), ("max_len_b", 0, int)):
+        value = decoding.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind) or value < least):
+            kind_name = "an integer" if kind is int else "a number"
+            raise NormplugError(f"{where}: 'decoding' {key} must be {kind_name} >= {least}, got {value!r}")
     if decoding.get("gnmt_search") and "gnmt_alpha" not in decoding:
         raise NormplugError(f"{where}: 'decoding' has gnmt_search but no gnmt_alpha (the authors' search "
                             f"ranks by GNMT's normalised score); give gnmt_alpha or set gnmt_search to null")
     pairs = data.get("pairs", [])
-    if not isinstance(pairs, list) or not all(isinstance(p, str) and p.count("-") == 1 for p in pairs):
+    if not isinstance(pairs, list):
         raise NormplugError(f"{where}: 'pairs' must list language pairs like 'en-vi', got {pairs!r}")
+    for pair in pairs:
+        check_pair(pair, f"{where}: 'pairs'")
     recipe = Recipe(name=name, arch=data["arch"], train=flag_list(data["train"]),
                     generate=flag_list(data["generate"]), decoding=dict(decoding),
                     description=data.get("description", ""), base=data.get("base"), pairs=list(pairs),
@@ -242,6 +303,8 @@ def load_schedules(config_dir: str = CONFIG_DIR) -> Dict[str, Schedule]:
     for name, data in _named_entries(path).items():
         where = f"{path}: schedule {name!r}"
         _check_keys(data, SCHEDULE_KEYS, where, required=("flags", "warmup"))
+        if isinstance(data["warmup"], bool) or not isinstance(data["warmup"], int) or data["warmup"] < 0:
+            raise NormplugError(f"{where}: 'warmup' must be an integer >= 0, got {data['warmup']!r}")
         schedules[name] = Schedule(name=name, flags=_check_flags(data["flags"], where),
                                    warmup=int(data["warmup"]), description=data.get("description", ""))
     return schedules
@@ -263,15 +326,26 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
     recipes, schedules = load_recipes(config_dir), load_schedules(config_dir)
     if data["recipe"] not in recipes:
         raise NormplugError(f"{path}: unknown recipe {data['recipe']!r}; choose from {', '.join(recipes)}")
-    rows, names = [], set()
+    if not isinstance(data["rows"], list) or not data["rows"]:
+        raise NormplugError(f"{path}: 'rows' must be a non-empty list of rows")
+    rows, names, folders = [], set(), {}
+    table_modules = _check_flags(data.get("normplug_modules", []), f"{path}: normplug_modules")
     for index, row_data in enumerate(data["rows"]):
         where = f"{path}: row {index + 1}"
         _check_keys(row_data, ROW_KEYS, where, required=("name", "model", "schedule"))
-        row = Row(name=row_data["name"], model=_check_flags(row_data["model"], where),
+        modules = table_modules + _check_flags(row_data.get("normplug_modules", []), f"{where}: normplug_modules")
+        row = Row(name=row_data["name"],
+                  model=_check_flags(row_data["model"], where) + extension_flags(modules, PROJECT_DIR),
                   schedule=row_data["schedule"], baseline=row_data.get("baseline"),
                   train=_check_flags(row_data.get("train", []), where), paper=row_data.get("paper"))
+        if not isinstance(row.name, str) or not slug(row.name):
+            raise NormplugError(f"{where}: row name {row.name!r} needs letters or digits (it names the run folder)")
         if row.name in names:
             raise NormplugError(f"{where}: duplicate row name {row.name!r}")
+        if slug(row.name) in folders:
+            raise NormplugError(f"{where}: rows {folders[slug(row.name)]!r} and {row.name!r} map to one run folder "
+                                f"({slug(row.name)!r}); rename one")
+        folders[slug(row.name)] = row.name
         if row.schedule not in schedules:
             raise NormplugError(f"{where} ({row.name}): unknown schedule {row.schedule!r}; "
                                 f"choose from {', '.join(schedules)}")
@@ -282,8 +356,10 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
             raise NormplugError(f"{path}: row {row.name!r} has unknown baseline {row.baseline!r}; "
                                 f"rows: {', '.join(sorted(names))}")
     pairs = data["pairs"]
-    if not pairs or not all(isinstance(p, str) and p.count("-") == 1 for p in pairs):
+    if not isinstance(pairs, list) or not pairs:
         raise NormplugError(f"{path}: 'pairs' must list language pairs like 'gl-en', got {pairs!r}")
+    for pair in pairs:
+        check_pair(pair, f"{path}: 'pairs'")
     return Table(name=name, title=data.get("title", name), recipe=recipes[data["recipe"]],
                  pairs=list(pairs), rows=rows, schedules=schedules, recipes=recipes)
 
@@ -316,10 +392,7 @@ def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] =
     schedule = schedule or baseline.schedule
     if schedule not in table.schedules:
         raise NormplugError(f"unknown --add-row-schedule {schedule!r}; choose from {', '.join(table.schedules)}")
-    extension_flags = []
-    if modules:
-        paths = [os.path.abspath(item) if os.path.exists(item) else item for item in modules]
-        extension_flags = ["--normplug-modules", ",".join(paths)]
+    extensions = extension_flags(modules)
     rows, names = list(table.rows), {row.name for row in table.rows}
     for spec in specs:
         name, equals, flags = spec.partition("=")
@@ -335,12 +408,17 @@ def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] =
         except ValueError as error:
             raise NormplugError(f"--add-row {name!r}: its flags do not parse as a shell line ({error})") from None
         names.add(name)
-        rows.append(Row(name=name, model=model + extension_flags, schedule=schedule, baseline=baseline.name))
+        rows.append(Row(name=name, model=model + extensions, schedule=schedule, baseline=baseline.name))
     return replace(table, rows=rows)
 
 
 def load_data_locations(config_dir: str = CONFIG_DIR) -> Dict[str, str]:
     """{pair: prepared data folder (holding bin/ and ref/)}, relative paths under the repo."""
     path = os.path.join(config_dir, "data.json")
-    return {pair: os.path.join(PROJECT_DIR, folder) if not os.path.isabs(folder) else folder
-            for pair, folder in _named_entries(path).items()}
+    locations = {}
+    for pair, folder in _named_entries(path).items():
+        check_pair(pair, path)
+        if not isinstance(folder, str) or not folder:
+            raise NormplugError(f"{path}: {pair}: expected a folder name, got {folder!r}")
+        locations[pair] = os.path.join(PROJECT_DIR, folder) if not os.path.isabs(folder) else folder
+    return locations

@@ -1,7 +1,9 @@
 """Where and how the runs of a table are executed (``scripts/reproduce.sh --launcher``).
 
-Every launcher executes the same function per run, :func:`execute_run`: train (resume, or skip
-a finished run), then evaluate; the run's fairseq processes get its environment
+Every launcher executes the same function per run, :func:`execute_run`: take the run folder
+(its one owner, :mod:`.ownership`: a run another live launcher holds is left to it and tried
+again later), train (resume, or skip a finished run), then evaluate; the run's fairseq
+processes get its environment
 (:meth:`Run.env`: ``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``). So a run on this machine and a
 run in a SLURM job run exactly the same code.
 
@@ -16,10 +18,10 @@ run in a SLURM job run exactly the same code.
   time limit or is preempted is requeued by submitit (:class:`RunJob`'s ``checkpoint``) and
   its run resumes from ``checkpoint_last.pt``.
 """
+import collections
 import contextlib
 import dataclasses
 import os
-import queue
 import signal
 import threading
 import time
@@ -28,17 +30,43 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.runner import Run, evaluate, read_json, train
+from fairseq_normplug.experiments.ownership import RunOwnership, live_holder, zombie
+from fairseq_normplug.experiments.preflight import check_table
+from fairseq_normplug.experiments.runner import Run, evaluate, read_scores, train
 
 Echo = Callable[[str], None]
 LAUNCHERS = ("local", "slurm")
 SUBMITIT_MISSING = "--launcher slurm needs submitit, an optional dependency: pip install .[slurm]"
+#: time limit (minutes) of the preflight job of --launcher slurm
+PREFLIGHT_TIME_MIN = 60
+#: seconds between two tries of runs that other launchers hold, when nothing else is left
+HELD_POLL_S = float(os.environ.get("NORMPLUG_HELD_POLL", "10"))
 
 
 def execute_run(run: Run, extra_train: Sequence[str] = (), echo: Echo = print) -> dict:
-    """Train then evaluate ``run`` (what every launcher executes per run); returns its status.
-    An error of this run is reported and recorded, never raised, so the other runs go on."""
-    extra = list(extra_train)
+    """Train then evaluate ``run`` (what every launcher executes per run) as its only owner
+    (:mod:`.ownership`); returns its status, with ``held_by`` (and nothing done) when another
+    live launcher owns it. An error of this run is reported and recorded, never raised, so the
+    other runs go on."""
+    try:
+        os.makedirs(run.run_dir, exist_ok=True)
+        owner = RunOwnership(run.run_dir)
+        holder = owner.acquire()
+    except OSError as error:
+        echo(f"[{run.label}] error: cannot take the run folder: {error}")
+        return {**run.status(), "run_error": str(error)}
+    if holder is not None:
+        return {**run.status(), "held_by": holder.describe()}
+    if owner.took_over:
+        previous, why = owner.took_over
+        echo(f"[{run.label}] took the run over from {previous.describe()}: {why}")
+    try:
+        return _train_and_evaluate(run, list(extra_train), echo)
+    finally:
+        owner.release()
+
+
+def _train_and_evaluate(run: Run, extra: List[str], echo: Echo) -> dict:
     try:
         if run.status()["status"] not in ("done", "diverged"):
             where = f" on CUDA_VISIBLE_DEVICES={run.devices}" if run.devices is not None else ""
@@ -51,9 +79,16 @@ def execute_run(run: Run, extra_train: Sequence[str] = (), echo: Echo = print) -
     except Exception as error:  # noqa: BLE001 - one run's failure must not stop the table
         message = str(error) if isinstance(error, NormplugError) else f"{type(error).__name__}: {error}"
         echo(f"[{run.label}] error: {message}")
-        if os.path.isdir(run.run_dir):
+        try:
             run.set_status(run_error=message[:300])
+        except OSError as write_error:  # a full disk or a read-only folder: said, not raised
+            echo(f"[{run.label}] error: cannot record it in {run.path('status.json')}: {write_error}")
     return run.status()
+
+
+def held(result) -> Optional[str]:
+    """Who holds a run, from :func:`execute_run`'s result; None when it was executed."""
+    return result.get("held_by") if isinstance(result, dict) else None
 
 
 def visible_gpus() -> List[str]:
@@ -141,15 +176,17 @@ class LocalLauncher:
             env["CUDA_VISIBLE_DEVICES"] = "<free slot>"
         return env
 
+    def preflight(self, runs: List[Run], extra_train: Sequence[str], runs_dir: str, results_dir: str,
+                  echo: Echo) -> dict:
+        """The table's preflight (experiments/preflight.py), here."""
+        return check_table(runs, extra_train, runs_dir, results_dir, echo=echo)
+
     def execute(self, runs: List[Run], extra_train: Sequence[str], echo: Echo) -> None:
-        if self.jobs == 1:
-            for index, run in enumerate(runs, 1):
-                echo(f"[reproduce] run {index}/{len(runs)}: {run.label}")
-                self.execute_one(run, extra_train, echo)
-            return
-        pending: "queue.Queue[tuple]" = queue.Queue()
-        for index, run in enumerate(runs, 1):
-            pending.put((index, run))
+        """Execute every run, ``jobs`` at once. A run another launcher holds is put back at the
+        end of the queue, and tried again until it is done there (then skipped) or its owner is
+        dead (then taken over); when only held runs are left, every :data:`HELD_POLL_S` seconds."""
+        pending = collections.deque(enumerate(runs, 1))
+        waiting = set()  # indices of runs found held, until they are executed
         lock = threading.Lock()
 
         def say(message: str) -> None:
@@ -158,15 +195,33 @@ class LocalLauncher:
 
         def worker(slot: Optional[str]) -> None:
             while True:
-                try:
-                    index, run = pending.get_nowait()
-                except queue.Empty:
-                    return
-                run = dataclasses.replace(run, devices=slot)
-                say(f"[reproduce] run {index}/{len(runs)}: {run.label}"
-                    + (f" (CUDA_VISIBLE_DEVICES={slot})" if slot is not None else ""))
-                self.execute_one(run, extra_train, say)
+                with lock:
+                    if not pending:
+                        return
+                    index, run = pending.popleft()
+                    only_held_left = index in waiting and all(i in waiting for i, _ in pending)
+                if only_held_left:
+                    time.sleep(HELD_POLL_S)
+                if self.jobs > 1:
+                    run = dataclasses.replace(run, devices=slot)
+                if index not in waiting:
+                    say(f"[reproduce] run {index}/{len(runs)}: {run.label}"
+                        + (f" (CUDA_VISIBLE_DEVICES={slot})" if slot is not None and self.jobs > 1 else ""))
+                result = self.execute_one(run, extra_train, say)
+                holder = held(result)
+                with lock:
+                    if holder is not None:
+                        if index not in waiting:
+                            echo(f"[{run.label}] held by {holder}: it trains there; this launcher comes back "
+                                 f"to it (and takes it over if that owner dies)")
+                        waiting.add(index)
+                        pending.append((index, run))
+                    else:
+                        waiting.discard(index)
 
+        if self.jobs == 1:
+            worker(self.slots[0])
+            return
         workers = [threading.Thread(target=worker, args=(slot,), daemon=True) for slot in self.slots]
         for thread in workers:
             thread.start()
@@ -202,19 +257,11 @@ def stop_descendants(grace_s: float = 60.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.time() + grace_s
-    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") and not _zombie(pid) for pid in pids):
+    while time.time() < deadline and any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class RunJob:
@@ -224,7 +271,10 @@ class RunJob:
     ``Checkpointable`` protocol, without importing submitit here)."""
 
     def __call__(self, run: Run, extra_train: Sequence[str]) -> dict:
-        return execute_run(run, extra_train, echo=lambda message: print(message, flush=True))
+        result = execute_run(run, extra_train, echo=lambda message: print(message, flush=True))
+        if held(result):
+            print(f"[{run.label}] held by {held(result)}: it trains there, not in this job", flush=True)
+        return result
 
     def checkpoint(self, run: Run, extra_train: Sequence[str]):
         from submitit.helpers import DelayedSubmission
@@ -316,11 +366,38 @@ class SlurmLauncher:
         return (f"one job per run as a job array{limit}: sbatch {' '.join(options)}; requeued on preemption, "
                 f"and up to {self.max_requeues} times on reaching the time limit; logs in {self.folder}")
 
-    def execute(self, runs: List[Run], extra_train: Sequence[str], echo: Echo) -> None:
+    def _executor(self, **parameters):
         submitit = import_submitit()
         executor = submitit.AutoExecutor(folder=os.path.join(self.folder, "%j"), cluster=self.cluster,
                                          slurm_max_num_timeout=self.max_requeues)
-        executor.update_parameters(**self.parameters())
+        executor.update_parameters(**{**self.parameters(), **parameters})
+        return submitit, executor
+
+    def preflight(self, runs: List[Run], extra_train: Sequence[str], runs_dir: str, results_dir: str,
+                  echo: Echo) -> dict:
+        """The table's preflight as one short job on a node like the runs' (at most
+        :data:`PREFLIGHT_TIME_MIN` minutes); its report, also echoed here."""
+        _, executor = self._executor(name="normplug-preflight",
+                                     timeout_min=min(self.time_limit_min, PREFLIGHT_TIME_MIN))
+        job = executor.submit(check_table, runs, list(extra_train), runs_dir, results_dir)
+        echo(f"[preflight] job {job.job_id}: log {job.paths.stdout}; waiting for it")
+        try:
+            report = job.result()
+        except Exception as error:  # noqa: BLE001 - the job itself failed: one line, and no submission
+            last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            return {"problems": [f"the preflight job {job.job_id} failed: {last[:300]}; log: {job.paths.stderr}"]}
+        for line in report["problems"]:
+            echo(f"[preflight] PROBLEM: {line}")
+        for config in report["configurations"]:
+            tokens = config["tokens_per_second"]
+            echo(f"[preflight] {config['label']}: {'?' if tokens is None else f'{tokens:,.0f}'} target tokens/s, "
+                 f"peak {config['memory_kind']} memory {config['peak_memory_gb']:.2f} GB")
+        echo(f"[preflight] at most {report['hours']:.2f} hours of training one after another; "
+             f"{len(report['problems'])} problem(s)")
+        return report
+
+    def execute(self, runs: List[Run], extra_train: Sequence[str], echo: Echo) -> None:
+        submitit, executor = self._executor()
         with executor.batch():
             jobs = [executor.submit(RunJob(), run, list(extra_train)) for run in runs]
         by_id = {}
@@ -347,8 +424,11 @@ def failure_of(run: Run) -> Optional[str]:
     state = status["status"]
     if state == "diverged":
         return None
+    holder = live_holder(run.run_dir)
+    if holder is not None:
+        return f"still {state if state != 'pending' else 'starting'} under another launcher ({holder.describe()})"
     if state == "done":
-        if read_json(run.path("scores.json")) is not None:
+        if read_scores(run.path("scores.json")) is not None:
             return None
         error = status.get("run_error")
         return f"trained, not evaluated{': ' + error if error else ''}"

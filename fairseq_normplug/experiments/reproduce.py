@@ -5,8 +5,9 @@ Resumable: finished rows are skipped, interrupted ones resume from their last ch
 diverged ones stay recorded as diverged. Runs go one after another on this machine, or
 ``--jobs N`` at once (``--devices-per-run K`` GPUs each), or as SLURM jobs (``--launcher slurm``;
 experiments/launchers.py); ``--seeds`` trains every cell with several seeds. ``--print-commands``,
-``--status`` and ``--collect`` look at a table instead of running it. Exits 1 when a run failed
-(a diverged run is a result). See docs/experiments.md.
+``--status``, ``--collect`` and ``--preflight`` (experiments/preflight.py) look at a table instead
+of running it. The table is written whatever its runs did; exits 1 when a run failed (a diverged
+run is a result). See docs/experiments.md.
 """
 import argparse
 import json
@@ -20,24 +21,38 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments import bleu, figures, launchers, tables
+from fairseq_normplug.experiments import bleu, figures, launchers, preflight, tables
 from fairseq_normplug.experiments.configs import (
-    CONFIG_DIR, PROJECT_DIR, Table, available_tables, load_data_locations, load_table,
+    CONFIG_DIR, PROJECT_DIR, Table, available_tables, check_pair, load_data_locations, load_table,
     under_recipe, with_added_rows,
 )
-from fairseq_normplug.extensions import load_extensions, split_items
+from fairseq_normplug.experiments.ownership import live_holder
+from fairseq_normplug.extensions import command_line_items, load_extensions, split_items
 from fairseq_normplug.experiments.runner import (
-    Run, check_data_dir, command_batching, generate_command, last_flag_value, read_json, run_folder,
-    test_hypotheses, test_references,
+    Run, check_data_dir, command_batching, generate_command, last_flag_value, read_scores, run_folder,
+    test_hypotheses, test_references, train_flags,
 )
 from fairseq_normplug.experiments.training_log import parse_training_log
 
 SPEED_PATH = os.path.join(CONFIG_DIR, "speed.json")
 
-#: run status (status.json) -> results-table status
-#: a run's status.json state -> its results.csv status; ``pending`` (never started) is a failure
-#: once the table has run, and ``pending`` in a table collected while it runs (``--collect``)
-RESULT_STATUS = {"done": "ok", "pending": "failed"}
+
+
+def result_status(run: Run, collecting: bool = False) -> str:
+    """A run's one results.csv status: ``ok`` (trained and scored), ``diverged`` (a result),
+    ``running`` (a live launcher owns it, or the table is still running: ``collecting``), or
+    ``failed``: it failed, or trained without a score, or its process ended without a result.
+    ``pending``: not started, in a table collected while it runs (``--collect``)."""
+    state = run.status()["status"]
+    if state == "done":
+        return "ok" if read_scores(run.path("scores.json")) is not None else "failed"
+    if state == "diverged":
+        return "diverged"
+    if live_holder(run.run_dir) is not None:
+        return "running"
+    if collecting and state in ("running", "pending"):
+        return state
+    return "failed"
 
 
 def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str,
@@ -48,8 +63,7 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     selected = [table.row(name) for name in rows] if rows else table.rows
     runs = []
     for pair in pairs:
-        if pair.count("-") != 1:
-            raise NormplugError(f"bad language pair {pair!r}; write it as SRC-TGT, e.g. {table.pairs[0]}")
+        check_pair(pair, example=table.pairs[0])
         if pair not in data_dirs:
             raise NormplugError(f"no data folder for {pair}: pass --data {pair}=DIR or add it to configs/data.json")
         assumed = None
@@ -66,7 +80,7 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
 
 
 def _scored(run: Run) -> bool:
-    return read_json(run.path("scores.json")) is not None
+    return read_scores(run.path("scores.json")) is not None
 
 
 def cell_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "tokenized_bleu") -> Optional[float]:
@@ -90,7 +104,6 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
     bleu.seeds_permutation_test of the cells' per-seed scores; in the table's cell metric of ``paper``, default configs/paper_results.json),
     the same on every seed's row. ``collecting``: the table is still running, so a run not
     started yet is ``pending``, not ``failed``."""
-    status_names = {**RESULT_STATUS, **({"pending": "pending"} if collecting else {})}
     metric = tables.cell_metric(tables.load_paper_results() if paper is None else paper, table.name)
     cells: Dict[tuple, Dict[int, Run]] = {}
     for run in runs:
@@ -103,7 +116,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
     out = []
     for run in runs:
         status = run.status()
-        scores = read_json(run.path("scores.json")) or {}
+        scores = read_scores(run.path("scores.json")) or {}
         out.append({
             "table": table.name, "pair": run.pair, "row": run.row.name, "seed": run.seed,
             "config": tables.config_string(run.row.model + run.row.train, run.row.schedule),
@@ -114,9 +127,9 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "p_value": p_values[(run.pair, run.row.name)] if scores else None,
             "seeds_p_value": None,
             "length_ratio": bleu.length_ratio(scores),
-            "status": status_names.get(status["status"], status["status"]),
+            "status": result_status(run, collecting),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
-            "stopped_by": status.get("stopped_by"),
+            "stopped_by": status.get("stopped_by") or status.get("diverged"),
             "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
         })
     seed_scores: Dict[tuple, List[float]] = {}
@@ -166,8 +179,12 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
                 collecting: bool = False) -> List[dict]:
     """results.csv, results.md and the figures from whatever the runs' folders hold now."""
     results = result_rows(table, runs, collecting=collecting)
-    os.makedirs(results_dir, exist_ok=True)
-    tables.write_results(results, results_dir, title=table.title)
+    try:
+        os.makedirs(results_dir, exist_ok=True)
+        tables.write_results(results, results_dir, title=table.title)
+    except OSError as error:  # a read-only or full results folder: one line, the runs are kept
+        raise NormplugError(f"cannot write the results table to {results_dir}: {error.strerror or error}; "
+                            f"the runs are kept: fix it and run --collect") from None
     for folder, folder_runs in figure_folders(runs, results_dir).items():
         logs = figure_logs(folder_runs)
         if not logs:
@@ -214,6 +231,10 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     launcher = launcher or launchers.LocalLauncher()
     runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, rows, seeds))
     check_batching(runs, extra_train)
+    for folder, what in ((runs_dir, "runs"), (results_dir, "results")):
+        problem = preflight.folder_problem(folder, what)
+        if problem:
+            raise NormplugError(f"{problem}; nothing was run")
     per_pair = len(runs) // len(pairs)
     shape = f"{per_pair} rows" if len(seeds) == 1 else f"{per_pair // len(seeds)} rows x {len(seeds)} seeds"
     echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {shape})")
@@ -284,7 +305,7 @@ def run_state(run: Run) -> dict:
     status = run.status()
     state = status["status"]
     if state == "done":
-        state = "tested" if read_json(run.path("scores.json")) is not None else "trained"
+        state = "tested" if read_scores(run.path("scores.json")) is not None else "trained"
     log = run.path("train.log")
     last_update, best = None, None
     if os.path.exists(log):
@@ -327,14 +348,14 @@ def parse_data_overrides(values: List[str]) -> Dict[str, str]:
         if "=" not in value:
             raise NormplugError(f"--data takes PAIR=DIR, got {value!r}")
         pair, folder = value.split("=", 1)
-        out[pair] = os.path.abspath(folder)
+        out[check_pair(pair, "--data")] = os.path.abspath(folder)
     return out
 
 
 def make_launcher(args, runs_dir: str, table: Table):
     """The launcher the options ask for (checked before anything runs)."""
     if args.launcher == "slurm":
-        if args.print_commands is False and args.status is False and args.collect is False:
+        if not (args.print_commands or args.status or args.collect):
             launchers.import_submitit()
         return launchers.SlurmLauncher(
             folder=args.slurm_folder or os.path.join(runs_dir, table.name, "slurm"), partition=args.partition,
@@ -383,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print each run's state, last update, best dev BLEU so far and elapsed time")
     what.add_argument("--collect", action="store_true",
                       help="write results.{csv,md} and the figures from the runs that have finished so far")
+    what.add_argument("--preflight", action="store_true",
+                      help="check the whole table (data, flags, positions, folders, disk space) and train a few "
+                           "updates of each configuration outside the run folders: tokens/s, peak memory and a "
+                           "time estimate; one line per problem, exit 1 if any (with --launcher slurm: as one "
+                           "short job)")
     where = parser.add_argument_group("where the runs run")
     where.add_argument("--launcher", choices=launchers.LAUNCHERS, default="local",
                        help="local: this machine (default); slurm: one SLURM job per run (submitit)")
@@ -408,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="times a job may reach its time limit and be requeued (default 10; "
                             "preemptions do not count)")
     slurm.add_argument("--slurm-folder", metavar="DIR", help="submitit's job logs (default RUNS_DIR/TABLE/slurm)")
+    slurm.add_argument("--no-preflight", action="store_true",
+                       help="submit the table without running --preflight as one short job first")
     return parser
 
 
@@ -415,7 +443,7 @@ def main(argv=None):
     """reproduce.sh; exits 1 when any run failed (a diverged run is a result: exit 0)."""
     args = build_parser().parse_args(argv)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    modes = [flag for flag in ("print_commands", "status", "collect") if getattr(args, flag)]
+    modes = [flag for flag in ("print_commands", "status", "collect", "preflight") if getattr(args, flag)]
     try:
         if len(modes) > 1:
             raise NormplugError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} "
@@ -431,15 +459,26 @@ def main(argv=None):
         if args.add_row_schedule and not args.add_row:
             raise NormplugError("--add-row-schedule needs --add-row")
         if args.add_row:
-            modules = split_items(args.normplug_modules)
-            load_extensions(modules)  # a missing or broken one fails here, before any work
-            table = with_added_rows(table, args.add_row, modules, args.add_row_schedule)
+            table = with_added_rows(table, args.add_row, split_items(args.normplug_modules), args.add_row_schedule)
+        # the rows' own norms and placements (--add-row, "normplug_modules" in the table): a missing
+        # or broken extension fails here, before any work; --preflight then parses their flags
+        load_extensions([item for row in table.rows for item in command_line_items(row.model)])
         data_dirs = {**load_data_locations(), **parse_data_overrides(args.data)}
         pairs = args.pairs or table.pairs
         results_dir = args.results_dir or os.path.join(PROJECT_DIR, "results", table.name)
         runs_dir = os.path.abspath(args.runs_dir)
-        extra = args.train_flags.split()
+        extra = train_flags(args.train_flags)
         launcher = make_launcher(args, runs_dir, table)
+        slurm_preflight = isinstance(launcher, launchers.SlurmLauncher) and not args.no_preflight
+        if args.preflight or (slurm_preflight and not modes):
+            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, args.seeds,
+                                              check_data=False))
+            problems = launcher.preflight(runs, extra, runs_dir, results_dir, print)["problems"]
+            if problems:
+                sys.exit(f"reproduce.sh: preflight: {len(problems)} problem(s), listed above; nothing was "
+                         f"{'submitted' if slurm_preflight and not modes else 'run'}")
+            if modes:
+                return
         if modes:
             runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, args.seeds,
                                               check_data=not args.print_commands))

@@ -9,6 +9,7 @@ A run lives in its own folder (``runs/<table>/<pair>/<row-slug>/``)::
     scores.json          test BLEU (tokenized, sacreBLEU with signature, compound-split for en-de),
                          the selected checkpoint's update and dev BLEU
     status.json          running | done | diverged | failed, with updates and minutes
+    owner.lock           while a launcher owns the run (experiments/ownership.py)
 
 What the runner adds to every recipe (docs/fidelity.md):
 
@@ -34,8 +35,10 @@ What the runner adds to every recipe (docs/fidelity.md):
   a run uses what its process sees, as fairseq-train does.
 
 Everything is resumable: a finished run is skipped, an interrupted one continues from
-``checkpoint_last.pt``, and a run whose loss or gradients became NaN/Inf is recorded as
-``diverged`` (a result, as in the paper's Tables 2 and 5), not raised as an error. Outputs
+``checkpoint_last.pt``, and a run that diverged is recorded as ``diverged`` (a result, as in the
+paper's Tables 2 and 5), not raised as an error: its loss or gradients became NaN/Inf, a dev loss
+was worse than a uniform guess over the target vocabulary (:func:`diverged_at`; training is
+stopped there), or no dev BLEU could be computed. Outputs
 are written to temporary names and renamed, so nothing half-written is ever trusted. A job
 killed at any moment (SIGKILL, a node lost) continues when the same command runs again:
 checkpoints it left half-copied are deleted and its interrupted save is finished first
@@ -48,6 +51,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -60,22 +64,30 @@ from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
-from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table
+from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table, slug  # noqa: F401 (runner.slug)
 from fairseq_normplug.optim.lr_scheduler.common import PAPER_STOP_LR
 from fairseq_normplug.prepare.bpe import METHODS as SUBWORD_METHODS
 
 USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN_DIR = os.path.dirname(sys.executable)
-DIVERGENCE_MARKERS = ("FloatingPointError", "gradients are Nan/Inf", "Minimum loss scale reached")
+#: what fairseq-train prints when a run diverges, and what it means (its last failing line)
+DIVERGENCE_MARKERS = {
+    "FloatingPointError": "NaN or inf in the loss or gradients",
+    "gradients are Nan/Inf": "NaN or inf in the gradients",
+    "Minimum loss scale reached": "the fp16 loss scale fell to its minimum (overflow at every update)",
+    "KeyError: 'bleu'": "no dev BLEU could be computed (every dev translation was empty)",
+}
+#: the states of a run's status.json ("pending": none yet)
+RUN_STATES = ("pending", "running", "done", "diverged", "failed")
+#: a dev loss over this many times a uniform guess's (log2 |V| bits per token) is a divergence
+#: at any validation; an untrained model's first validations may be somewhat above log2 |V|
+#: (a tiny model at update 3: 7.65 bits against 6.32), a diverged one is far above (98-130 bits)
+DIVERGENCE_FACTOR = 2.0
 #: fairseq's main branch drops the last batch unless it is a multiple of this (README)
 ALL_BATCHES = ["--required-batch-size-multiple", "1"]
 TASK = ["--task", "translation_normplug"]
 #: fairseq generation options a recipe's ``decoding`` spec may set (GNMT's alpha is a task option)
 GENERATION_OPTIONS = ("beam", "lenpen", "max_len_a", "max_len_b")
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def write_json_atomic(path: str, data: dict) -> None:
@@ -87,11 +99,24 @@ def write_json_atomic(path: str, data: dict) -> None:
 
 
 def read_json(path: str) -> Optional[dict]:
+    """The JSON object in a file the runner wrote (status.json, scores.json, manifest.json);
+    None when it is missing, cut, not UTF-8 JSON or not an object (a corrupt file is as good
+    as none: the runner writes it again)."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+            data = json.load(f)
+    except (FileNotFoundError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None
+    return data if isinstance(data, dict) else None
+
+
+def read_scores(path: str) -> Optional[dict]:
+    """A scores.json with a finite test BLEU, else None (missing, corrupt, ``{}``, or cut
+    short): a run without one is not scored and is decoded again."""
+    scores = read_json(path)
+    value = (scores or {}).get("tokenized_bleu")
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return scores if ok else None
 
 
 def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
@@ -108,6 +133,14 @@ def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
             value = float(flags[i]) * scale
             flags[i] = convert(max(value, 1) if flag == "--warmup-updates" and value > 0 else value)
     return flags
+
+
+def train_flags(text: str) -> List[str]:
+    """``--train-flags``, split as a shell splits it (quotes keep ``'(0.9, 0.999)'`` one value)."""
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise NormplugError(f"--train-flags {text!r}: {error} (it is split like a shell command line)") from None
 
 
 def last_flag_value(flags: List[str], flag: str) -> Optional[str]:
@@ -147,6 +180,26 @@ def test_decoding_flags(decoding: dict, subword_method: str) -> List[str]:
     for key, value in generation_options(decoding).items():
         flags += [f"--{key.replace('_', '-')}", f"{value:g}" if isinstance(value, float) else str(value)]
     return flags + decoding_task_flags(decoding) + ["--remove-bpe", subword_method]
+
+
+#: lr schedulers whose peak lr is eq. 7's (set by --lr-lambda), so that --lr changes nothing:
+#: always (inv_sqrt_decay), or with a warmup unless --warmup-peak lr (val_decay)
+LAMBDA_PEAK_SCHEDULERS = ("inv_sqrt_decay", "val_decay")
+
+
+def ignored_lr_problem(command: List[str], user_flags: List[str]) -> Optional[str]:
+    """Why a ``--lr`` of ``user_flags`` (a row's and ``--train-flags``) does nothing in
+    ``command``, or None: under inv_sqrt_decay, or val_decay with a warmup to eq. 7's peak,
+    the lr comes from ``--lr-lambda`` and fairseq would silently drop the user's ``--lr``."""
+    lr = last_flag_value(user_flags, "--lr")
+    scheduler = last_flag_value(command, "--lr-scheduler")
+    if lr is None or scheduler not in LAMBDA_PEAK_SCHEDULERS:
+        return None
+    if scheduler == "val_decay" and (int(float(last_flag_value(command, "--warmup-updates") or 0)) == 0
+                                     or last_flag_value(command, "--warmup-peak") == "lr"):
+        return None
+    return (f"--lr {lr} is ignored by --lr-scheduler {scheduler} (its peak lr is eq. 7's, set by --lr-lambda); "
+            f"give --lr-lambda instead" + (", or --warmup-peak lr" if scheduler == "val_decay" else ""))
 
 
 def checkpoint_selection_flags(flags: List[str]) -> List[str]:
@@ -276,7 +329,10 @@ class Run:
         return os.path.join(self.run_dir, *parts)
 
     def status(self) -> dict:
-        return read_json(self.path("status.json")) or {"status": "pending"}
+        """status.json; ``pending`` when it is missing or corrupt (the run is then resumed from
+        its checkpoints, which repairs it)."""
+        status = read_json(self.path("status.json"))
+        return status if status and status.get("status") in RUN_STATES else {"status": "pending"}
 
     def set_status(self, **fields) -> dict:
         status = {**self.status(), **fields}
@@ -307,6 +363,9 @@ class Run:
                    "--save-dir", self.path("checkpoints"), "--no-epoch-checkpoints", "--seed", str(self.seed),
                    "--log-format", "json", "--num-workers", "0", *ALL_BATCHES, *self.device_flags(),
                    *batching_flags(recipe, flags, world_size(flags + list(extra), self.num_devices)), *extra]
+        problem = ignored_lr_problem(command, [*self.row.model, *self.row.train, *extra])
+        if problem:
+            raise NormplugError(f"{self.table.name} row {self.row.name!r}: {problem}")
         return command + checkpoint_selection_flags(command)
 
 
@@ -359,13 +418,75 @@ def check_data_dir(data_dir: str, pair: str) -> None:
                             f"prepare it with scripts/prepare_*.sh (docs/data.md)")
 
 
-def progress_line(run: Run, line: str) -> Optional[str]:
-    """A one-line summary of a validation record, for the console."""
+def valid_record(line: str) -> Optional[dict]:
+    """The JSON record of a fairseq-train validation line, None for any other line."""
     if "| valid | " not in line:
         return None
     try:
         record = json.loads(line.split("| valid | ", 1)[1])
     except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def target_vocabulary_size(data_dir: str, tgt: str) -> Optional[int]:
+    """|V| of the target dictionary: its lines plus fairseq's 4 special symbols; None without it."""
+    path = os.path.join(data_dir, "bin", f"dict.{tgt}.txt")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return sum(1 for line in f if line.strip()) + 4
+
+
+def uniform_guess_bits(run: "Run") -> Optional[float]:
+    """log2 |V| of the run's target vocabulary: the dev loss (bits per token, fairseq's unit)
+    of a uniform guess; None without a dictionary."""
+    size = target_vocabulary_size(run.data_dir, run.tgt)
+    return None if size is None else math.log2(size)
+
+
+def dev_loss(record: Optional[dict]) -> Optional[float]:
+    """The dev loss of a validation record (NaN and inf included), None without one."""
+    try:
+        return float(record.get("valid_loss"))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def valid_losses(log_path: str) -> List[float]:
+    """The dev losses a train.log recorded so far (an earlier attempt's, for a resumed run)."""
+    if not os.path.exists(log_path):
+        return []
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        losses = [dev_loss(valid_record(line)) for line in f]
+    return [loss for loss in losses if loss is not None]
+
+
+def diverged_at(record: dict, uniform: Optional[float], learned: bool) -> Optional[str]:
+    """Why a validation ``record`` shows a diverged run, None when it does not: a NaN or inf
+    dev loss; a dev loss over :data:`DIVERGENCE_FACTOR` times a uniform guess's (``uniform``
+    bits); or, once the run has ``learned`` (an earlier dev loss below ``uniform``), a dev loss
+    worse than a uniform guess again."""
+    loss = dev_loss(record)
+    if loss is None:
+        return None
+    update = record.get("valid_num_updates", "?")
+    if not math.isfinite(loss):
+        return f"dev loss {loss} at update {update}"
+    if uniform is None:
+        return None
+    guess = f"a uniform guess over the target vocabulary ({uniform:.2f} bits)"
+    if loss > DIVERGENCE_FACTOR * uniform:
+        return f"dev loss {loss:g} bits per token at update {update}, over {DIVERGENCE_FACTOR:g} times {guess}"
+    if learned and loss > uniform:
+        return f"dev loss {loss:g} bits per token at update {update}, worse than {guess} after it had been better"
+    return None
+
+
+def progress_line(run: Run, line: str) -> Optional[str]:
+    """A one-line summary of a validation record, for the console."""
+    record = valid_record(line)
+    if record is None:
         return None
     parts = [f"update {record.get('valid_num_updates', '?')}", f"dev loss {record.get('valid_loss', '?')}"]
     if "valid_bleu" in record:
@@ -416,7 +537,8 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     run.set_status(status="running", command=command)
     echo(f"[{run.label}] training ({'resuming' if last is not None else 'starting'}); "
          f"log: {run.path('train.log')}")
-    tail = []
+    tail, diverged, uniform = [], None, uniform_guess_bits(run)
+    learned = uniform is not None and any(loss < uniform for loss in valid_losses(run.path("train.log")))
     _end_last_line(run.path("train.log"))
     with open(run.path("train.log"), "a", encoding="utf-8", buffering=1) as log:  # line by line: kept on a kill
         if changes:  # the log says so too, where the resumed training starts
@@ -432,16 +554,32 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
                 echo(summary)
                 # the time trained so far survives a kill (a killed job's minutes count too)
                 run.set_status(minutes=round(minutes_before + (time.time() - started) / 60, 2))
+                if diverged is None:
+                    record = valid_record(line)
+                    diverged = diverged_at(record, uniform, learned)
+                    if diverged:  # a result: training it further changes nothing
+                        proc.terminate()
+                    loss = dev_loss(record)
+                    learned = learned or (uniform is not None and loss is not None and loss < uniform)
         returncode = proc.wait()
+        if diverged:
+            log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | fairseq_normplug.experiments.runner | "
+                      f"diverged: {diverged}; training stopped\n")
     minutes = minutes_before + (time.time() - started) / 60
     updates = last_num_updates(run.path("train.log"))
-    if returncode == 0:
+    if returncode == 0 and not diverged:
         return _training_done(run, minutes, updates, stopped_by(run.path("train.log"), updates, max_update))
     text = "".join(tail)
-    state = "diverged" if any(marker in text for marker in DIVERGENCE_MARKERS) else "failed"
-    echo(f"[{run.label}] {state} (exit {returncode}); see {run.path('train.log')}")
+    last_line = text.strip().splitlines()[-1][:300] if text.strip() else ""
+    marker = next((marker for marker in DIVERGENCE_MARKERS if marker in text), None)
+    if diverged is None and marker:
+        diverged = DIVERGENCE_MARKERS[marker]
+    state = "diverged" if diverged else "failed"
+    echo(f"[{run.label}] {state}{': ' + diverged if diverged else ''} (exit {returncode}); "
+         f"see {run.path('train.log')}")
     return run.set_status(status=state, minutes=round(minutes, 2), updates=updates, exit_code=returncode,
-                          error=text.strip().splitlines()[-1][:300] if text.strip() else "")
+                          error=last_line if marker or not diverged else diverged,
+                          **({"diverged": diverged} if diverged else {}))
 
 
 def _training_done(run: Run, minutes: float, updates: Optional[int], stopped: Optional[str]) -> dict:
@@ -533,8 +671,8 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
     ``generate-test.txt`` and ``scores.json`` appear complete or not at all; a killed
     decoding's temporary output is deleted and decoding starts again."""
     scores_path = run.path("scores.json")
-    if read_json(scores_path) is not None:
-        return read_json(scores_path)
+    if read_scores(scores_path) is not None:
+        return read_scores(scores_path)
     checkpoint = run.path("checkpoints", "checkpoint_best.pt")
     if run.status()["status"] != "done" or not os.path.exists(checkpoint):
         return None
@@ -550,7 +688,9 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
     with open(tmp, "w", encoding="utf-8") as out:
         proc = subprocess.run(command, stdout=out, stderr=subprocess.PIPE, text=True, env={**os.environ, **run.env()})
     if proc.returncode != 0:
-        raise NormplugError(f"fairseq-generate failed for {run.label}: {proc.stderr.strip().splitlines()[-1]}")
+        os.remove(tmp)
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise NormplugError(f"fairseq-generate failed for {run.label}: {last}")
     os.replace(tmp, output)
     scores = {**score_generation(output, run.data_dir, run.tgt), **selected_checkpoint(checkpoint)}
     write_json_atomic(scores_path, scores)

@@ -6,7 +6,7 @@ folder (``scripts/prepare_*.sh`` output, holding bin/ and ref/).
 
 ROW is the row's name in configs/experiments/TABLE.json (e.g. "PreNorm + FixNorm + ScaleNorm").
 The default run folder is runs/TABLE/PAIR/ROW-SLUG, the one reproduce.sh uses, so both share
-(and resume) the same runs.
+(and resume) the same runs; a run another launcher holds is refused (docs/experiments.md).
 """
 import argparse
 import glob
@@ -17,7 +17,8 @@ import sys
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import PROJECT_DIR, load_table
-from fairseq_normplug.experiments.runner import Run, check_data_dir, evaluate, run_folder, train
+from fairseq_normplug.experiments.ownership import owned
+from fairseq_normplug.experiments.runner import Run, check_data_dir, evaluate, run_folder, train, train_flags
 
 
 def pair_of(data_dir: str) -> str:
@@ -56,7 +57,9 @@ def parser_for(prog: str, train_flags: bool) -> argparse.ArgumentParser:
 def train_main(argv=None):
     args = parser_for("train.sh", train_flags=True).parse_args(argv)
     try:
-        status = train(build_run(args), args.train_flags.split())
+        run = build_run(args)
+        with owned(run.run_dir, run.label):
+            status = train(run, train_flags(args.train_flags))
     except NormplugError as error:
         sys.exit(f"train.sh: error: {error}")
     print(json.dumps(status, indent=2)[:2000])
@@ -67,7 +70,8 @@ def evaluate_main(argv=None):
     args = parser_for("evaluate.sh", train_flags=False).parse_args(argv)
     try:
         run = build_run(args)
-        scores = evaluate(run)
+        with owned(run.run_dir, run.label):
+            scores = evaluate(run)
     except NormplugError as error:
         sys.exit(f"evaluate.sh: error: {error}")
     if scores is None:

@@ -25,7 +25,7 @@ A result row is a dict with the keys of :data:`FIELDS`:
   outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
   ``stopped_by``: the rule that ended training (``--stop-patience``, ``--stop-lr``, fairseq's
-  ``--patience``, ``--max-update N``), read from its log;
+  ``--patience``, ``--max-update N``), read from its log, or why a diverged run diverged;
 * ``selected_update``, ``dev_bleu``: the validation whose checkpoint (best dev BLEU) was
   tested, and its dev BLEU (tokenized, same decoder as the test BLEU);
 * ``paper_bleu``: the published number beside this row (filled from configs/paper_results.json

@@ -1,0 +1,230 @@
+"""One owner per run: a lock file in the run folder, safe across processes and across the nodes
+of a shared filesystem.
+
+``RUN_DIR/owner.lock`` is created with ``O_CREAT | O_EXCL`` (atomic on local filesystems and
+on NFSv3+), and holds its owner as JSON: ``host``, ``pid``, ``slurm_job`` (``$SLURM_ARRAY_JOB_ID
+_$SLURM_ARRAY_TASK_ID`` or ``$SLURM_JOB_ID``), a random ``token`` and a ``heartbeat`` (Unix
+time) that the owner rewrites every :data:`HEARTBEAT_S` seconds while it trains or decodes.
+
+* A run held by a live owner is not touched: :meth:`RunOwnership.acquire` returns the holder,
+  and the launcher says who holds it and comes back to it later.
+* A dead owner's run is taken over: its pid is gone on this host (a SIGKILLed launcher), or its
+  heartbeat is older than :data:`STALE_AFTER_S` seconds (another node, or a lost node). The
+  taker resumes the run from its last checkpoint, bit-identically (runner.train).
+* A requeued SLURM job (same job id as the lock's) takes its own run back at once.
+
+Two takers of one stale lock never both win: taking over needs ``owner.lock.takeover``,
+itself created with ``O_EXCL``. ``$NORMPLUG_LOCK_TIMEOUT`` and ``$NORMPLUG_LOCK_HEARTBEAT``
+change the two intervals (seconds).
+"""
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+from fairseq_normplug.errors import NormplugError
+
+LOCK_NAME = "owner.lock"
+TAKEOVER_NAME = LOCK_NAME + ".takeover"
+#: seconds between two heartbeats of a live owner
+HEARTBEAT_S = float(os.environ.get("NORMPLUG_LOCK_HEARTBEAT", "30"))
+#: a lock whose heartbeat is older than this (seconds) belongs to a dead owner
+STALE_AFTER_S = float(os.environ.get("NORMPLUG_LOCK_TIMEOUT", "600"))
+#: a takeover guard left by a taker that died in the middle is ignored after this (seconds)
+TAKEOVER_STALE_S = 60.0
+
+
+def slurm_job() -> Optional[str]:
+    """This process's SLURM job (``ARRAYJOB_TASK`` for a job array's task), None outside SLURM;
+    a requeued job keeps it."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def zombie(pid: int) -> bool:
+    """Whether process ``pid`` has ended but is not reaped yet (or cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return not zombie(pid)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The owner a lock file names."""
+
+    host: str
+    pid: int
+    slurm_job: Optional[str]
+    token: str
+    heartbeat: float
+
+    @classmethod
+    def me(cls, token: str) -> "Holder":
+        return cls(host=socket.gethostname(), pid=os.getpid(), slurm_job=slurm_job(), token=token,
+                   heartbeat=time.time())
+
+    def describe(self) -> str:
+        job = f", SLURM job {self.slurm_job}" if self.slurm_job else ""
+        return f"host {self.host} pid {self.pid}{job} (heartbeat {max(0.0, time.time() - self.heartbeat):.0f} s ago)"
+
+    def stale(self) -> Optional[str]:
+        """Why this owner is dead, None when it may be alive."""
+        if self.host == socket.gethostname() and not pid_alive(self.pid):
+            return "its process is gone"
+        age = time.time() - self.heartbeat
+        if age > STALE_AFTER_S:
+            return f"no heartbeat for {age:.0f} s"
+        return None
+
+
+def read_holder(path: str) -> Optional[Holder]:
+    """The holder of lock file ``path``; None when there is no lock. A lock still being written
+    (empty or cut) names an unknown owner whose heartbeat is the file's time."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        modified = os.path.getmtime(path)
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+        return Holder(host=str(data["host"]), pid=int(data["pid"]), slurm_job=data.get("slurm_job"),
+                      token=str(data["token"]), heartbeat=float(data["heartbeat"]))
+    except (ValueError, KeyError, TypeError):
+        return Holder(host="?", pid=-1, slurm_job=None, token="?", heartbeat=modified)
+
+
+def _write_new(path: str, holder: Holder) -> None:
+    """Create ``path`` holding ``holder``; FileExistsError if it exists."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(holder.__dict__, f)
+
+
+class RunOwnership:
+    """The lock of one run folder (see the module docstring)::
+
+        ownership = RunOwnership(run_dir)
+        holder = ownership.acquire()       # None: ours now (and heartbeating); else who holds it
+        ...
+        ownership.release()
+    """
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self.me = Holder.me(uuid.uuid4().hex)
+        #: (previous holder, why it was taken over) when acquire() took a dead owner's run
+        self.took_over: Optional[tuple] = None
+        self._stop = threading.Event()
+        self._beat: Optional[threading.Thread] = None
+
+    def acquire(self) -> Optional[Holder]:
+        """Take the run: None when it is ours now, else its live holder."""
+        for _ in range(5):
+            try:
+                _write_new(self.path, self.me)
+            except FileExistsError:
+                holder = read_holder(self.path)
+                if holder is None:
+                    continue  # released in between: try again
+                # the same job id on another node: the job was requeued, its old process is gone
+                # (on this node, pid_alive tells; two launchers inside one job are two owners)
+                mine = (self.me.slurm_job is not None and holder.slurm_job == self.me.slurm_job
+                        and holder.host != self.me.host)
+                reason = "a requeued SLURM job takes its own run back" if mine else holder.stale()
+                if reason is None or not self._remove_dead(holder):
+                    return holder
+                self.took_over = (holder, reason)
+                continue
+            self._start_heartbeat()
+            return None
+        return read_holder(self.path) or self.me
+
+    def _remove_dead(self, holder: Holder) -> bool:
+        """Remove the lock of dead ``holder``, unless another taker is at it (False)."""
+        guard = os.path.join(os.path.dirname(self.path), TAKEOVER_NAME)
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - os.path.getmtime(guard) > TAKEOVER_STALE_S:
+                os.remove(guard)
+        try:
+            _write_new(guard, self.me)
+        except FileExistsError:
+            return False
+        try:
+            if read_holder(self.path) == holder:  # nobody else took it meanwhile
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+            return True
+        finally:
+            os.remove(guard)
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            holder = read_holder(self.path)
+            if holder is None or holder.token != self.me.token:
+                return  # taken over (this owner looked dead): leave the new owner's lock alone
+            tmp = f"{self.path}.{self.me.token}.tmp"
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump({**self.me.__dict__, "heartbeat": time.time()}, f)
+                os.replace(tmp, self.path)
+            except OSError:  # a full disk: try again at the next beat
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock, if it is still this owner's."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
+        holder = read_holder(self.path)
+        if holder is not None and holder.token == self.me.token:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+
+
+@contextlib.contextmanager
+def owned(run_dir: str, label: str):
+    """The run folder as its only owner for the block (``scripts/train.sh``, ``evaluate.sh``);
+    a run another live launcher holds is a NormplugError naming the holder."""
+    os.makedirs(run_dir, exist_ok=True)
+    owner = RunOwnership(run_dir)
+    holder = owner.acquire()
+    if holder is not None:
+        raise NormplugError(f"{label} is held by {holder.describe()}: it trains there")
+    try:
+        yield owner
+    finally:
+        owner.release()
+
+
+def live_holder(run_dir: str) -> Optional[Holder]:
+    """The live owner of a run folder (another process training it now), None if none."""
+    holder = read_holder(os.path.join(run_dir, LOCK_NAME))
+    return holder if holder is not None and holder.stale() is None else None
