@@ -7,7 +7,6 @@ import json
 import os
 import sys
 
-import pytest
 import torch
 from fairseq import checkpoint_utils, options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf

@@ -82,10 +82,6 @@ class NormplugSettings:
     layer_plan: LayerPlan  # --norm-placement and the modifiers switched on
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def fill_normplug_defaults(args) -> None:
     for name, value in DEFAULTS.items():
         if getattr(args, name, None) is None:

@@ -10,7 +10,6 @@ eps = 1e-8 added to the RMS, outside the square root). The paper's setting is p 
 Written only against the plugin's public interface: ``register_norm`` and ``FormulaNorm``
 (fp16/bf16 computed in float32, the gain ``1 + gamma`` of ``--zero-centered-gamma``).
 """
-import torch
 
 from fairseq_normplug import FormulaNorm, NormplugError, register_norm
 
