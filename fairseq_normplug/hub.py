@@ -25,13 +25,15 @@ TOKENIZER = "moses"
 
 def copy_hub_files(data_dir: str, checkpoint_dir: str, src: str, tgt: str, subword_method: str) -> None:
     """Copy the dictionaries and the subword model of the prepared ``data_dir`` into
-    ``checkpoint_dir`` (never half-copied)."""
+    ``checkpoint_dir`` (never half-copied; what the data folder lacks is not copied: training
+    from it then fails in fairseq-train, with fairseq's own message)."""
     model, hub_name = SUBWORD_MODELS[subword_method]
     copies = {os.path.join("bin", f"dict.{lang}.txt"): f"dict.{lang}.txt" for lang in (src, tgt)}
     copies[model] = hub_name
     os.makedirs(checkpoint_dir, exist_ok=True)
     for source, name in copies.items():
-        copy_atomic(os.path.join(data_dir, source), os.path.join(checkpoint_dir, name))
+        if os.path.isfile(os.path.join(data_dir, source)):
+            copy_atomic(os.path.join(data_dir, source), os.path.join(checkpoint_dir, name))
 
 
 def hub_defaults(checkpoint_dir: str, overrides: Dict[str, object]) -> Dict[str, object]:
