@@ -8,6 +8,7 @@ this process (``pytest_configure``). On a machine without a C++ compiler the fal
 documented behaviour, and neither check applies.
 """
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -197,6 +198,23 @@ def run_parallel(commands, cwd=REPO, timeout=COMMAND_TIMEOUT, env=None, fallback
         for proc in done:
             assert_no_fallback(proc.stdout + proc.stderr, proc.args[0])
     return done
+
+
+def write_configs(dest, recipes=None, tables=None) -> str:
+    """A copy of the project's configs/ at ``dest`` with extra ``recipes`` ({name: recipe}) in
+    recipes.json and extra ``tables`` ({name: table}) in experiments/; returns its path."""
+    from fairseq_normplug.experiments.configs import CONFIG_DIR
+
+    shutil.copytree(CONFIG_DIR, dest)
+    recipes_path = os.path.join(dest, "recipes.json")
+    with open(recipes_path) as f:
+        all_recipes = json.load(f)
+    with open(recipes_path, "w") as f:
+        json.dump({**all_recipes, **(recipes or {})}, f)
+    for name, table in (tables or {}).items():
+        with open(os.path.join(dest, "experiments", f"{name}.json"), "w") as f:
+            json.dump(table, f)
+    return str(dest)
 
 
 @pytest.fixture(scope="session")

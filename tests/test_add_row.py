@@ -5,14 +5,13 @@ reused, so only the new row trains, and one results.md holds them all."""
 import csv
 import json
 import os
-import shutil
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, write_configs
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import reproduce
-from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table, with_added_rows
+from fairseq_normplug.experiments.configs import load_table, with_added_rows
 from fairseq_normplug.experiments.reproduce import run_table
 
 EXTENSION = os.path.join(REPO, "examples", "normplug_extension", "normplug_extension_example")
@@ -25,14 +24,11 @@ TABLE = {"title": "A baseline", "recipe": "test_add_row", "pairs": ["src-tgt"],
 
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
-    config_dir = tmp_path_factory.mktemp("configs") / "configs"
-    shutil.copytree(CONFIG_DIR, config_dir)
-    recipes = json.loads((config_dir / "recipes.json").read_text())
-    recipes["test_add_row"] = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
-                               "train": {"--max-update": "20", "--validate-interval-updates": "10"}}
-    (config_dir / "recipes.json").write_text(json.dumps(recipes))
-    (config_dir / "experiments" / "small.json").write_text(json.dumps(TABLE))
-    return load_table("small", str(config_dir))
+    recipe = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
+              "train": {"--max-update": "20", "--validate-interval-updates": "10"}}
+    config_dir = write_configs(tmp_path_factory.mktemp("configs") / "configs", {"test_add_row": recipe},
+                               {"small": TABLE})
+    return load_table("small", config_dir)
 
 
 def test_added_rows_get_the_recipe_the_baseline_and_the_extension(table):
@@ -48,8 +44,7 @@ def test_a_table_names_its_extensions(table, tmp_path):
     """``"normplug_modules"`` on a table (every row) or a row, relative to the project folder."""
     data = {**TABLE, "recipe": "cpu_tiny", "normplug_modules": ["examples/normplug_extension/normplug_extension_example"],
             "rows": [TABLE["rows"][0], {**TABLE["rows"][1], "normplug_modules": ["my_pkg.norms"]}]}
-    shutil.copytree(CONFIG_DIR, tmp_path / "configs")
-    (tmp_path / "configs" / "experiments" / "own.json").write_text(json.dumps(data))
+    write_configs(tmp_path / "configs", tables={"own": data})
     own = load_table("own", str(tmp_path / "configs"))
     assert own.rows[0].model == ["--normplug-modules", EXTENSION]
     assert own.rows[1].model == ["--prenorm", "--normplug-modules", f"{EXTENSION},my_pkg.norms"]

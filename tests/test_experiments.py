@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from conftest import COMMAND_TIMEOUT
-from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
+from conftest import COMMAND_TIMEOUT, write_configs
+from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.reproduce import run_table
 
 TINY_TABLE = {
@@ -34,15 +34,12 @@ def prepared(tiny_prepared):
 
 @pytest.fixture(scope="module")
 def tiny_table(tmp_path_factory):
-    config_dir = tmp_path_factory.mktemp("configs") / "configs"
-    shutil.copytree(CONFIG_DIR, config_dir)
-    recipes = json.loads((config_dir / "recipes.json").read_text())
-    recipes["test_tiny"] = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
-                            "train": {"--max-update": "40", "--validate-interval-updates": "20",
-                                      "--log-interval": "10", "--norm-stats-interval": "10"}}
-    (config_dir / "recipes.json").write_text(json.dumps(recipes))
-    (config_dir / "experiments" / "tiny.json").write_text(json.dumps(TINY_TABLE))
-    return load_table("tiny", str(config_dir))
+    recipe = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
+              "train": {"--max-update": "40", "--validate-interval-updates": "20",
+                        "--log-interval": "10", "--norm-stats-interval": "10"}}
+    config_dir = write_configs(tmp_path_factory.mktemp("configs") / "configs", {"test_tiny": recipe},
+                               {"tiny": TINY_TABLE})
+    return load_table("tiny", config_dir)
 
 
 @pytest.fixture(scope="module")

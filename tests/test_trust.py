@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import FAST_START, REPO
+from conftest import FAST_START, REPO, write_configs
 from test_kill_rerun import KILL_HOOK
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers, ownership, preflight, reproduce, runner
@@ -83,21 +83,15 @@ def trust(tiny_raw, tiny_bin, tmp_path_factory):
     """Config folder (the tables above), a prepared data folder on the tiny corpus, and one
     whose test set has a sentence of 60 tokens (more than 40 positions); the launcher script."""
     root = tmp_path_factory.mktemp("trust")
-    configs = root / "configs"
-    shutil.copytree(CONFIG_DIR, configs)
-    recipes = json.loads((configs / "recipes.json").read_text())
-    recipes["trust_tiny"] = RECIPE
-    (configs / "recipes.json").write_text(json.dumps(recipes))
-    (configs / "experiments" / "trust.json").write_text(json.dumps(TWO_ROWS))
-    (configs / "experiments" / "faults.json").write_text(json.dumps(FAULTS))
-    (configs / "experiments" / "mistakes.json").write_text(json.dumps(PREFLIGHT_BAD))
+    configs = write_configs(root / "configs", {"trust_tiny": RECIPE},
+                            {"trust": TWO_ROWS, "faults": FAULTS, "mistakes": PREFLIGHT_BAD})
     data = root / "data"
     (data / "ref").mkdir(parents=True)
     os.symlink(tiny_bin, data / "bin")
     shutil.copy(os.path.join(tiny_raw, "test.tgt"), data / "ref" / "test.tok.tgt")
     (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
     (root / "launcher.py").write_text(LAUNCHER)
-    return root, str(configs), str(data)
+    return root, configs, str(data)
 
 
 @pytest.fixture(scope="module")
