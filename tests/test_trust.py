@@ -427,9 +427,12 @@ def test_names_and_flags_are_refused_before_any_work(tmp_path, capsys):
 
 def write_lock(folder, host, pid, heartbeat_age=0.0, slurm_job=None):
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ownership.LOCK_NAME), "w") as f:
-        json.dump({"host": host, "pid": pid, "slurm_job": slurm_job, "token": "other",
-                   "heartbeat": time.time() - heartbeat_age}, f)
+    path = os.path.join(folder, ownership.LOCK_NAME)
+    with open(path + ".new", "w") as f:
+        json.dump({"host": host, "pid": pid, "slurm_job": slurm_job, "token": "other", "created": 0.0}, f)
+    beat = time.time() - heartbeat_age
+    os.utime(path + ".new", (beat, beat))
+    os.replace(path + ".new", path)  # a taker's new file, never the old one rewritten
 
 
 def test_a_live_owner_keeps_its_run_and_a_dead_one_loses_it(tmp_path, monkeypatch):
@@ -474,8 +477,14 @@ def test_the_heartbeat_is_rewritten_and_a_taken_over_lock_is_left_alone(tmp_path
     path = os.path.join(folder, ownership.LOCK_NAME)
     first = ownership.read_holder(path).heartbeat
     wait_for(lambda: ownership.read_holder(path).heartbeat > first, timeout=10)
-    write_lock(folder, "node-7", 1234)  # taken over meanwhile (this owner looked dead)
-    time.sleep(0.2)
+    # taken over meanwhile (this owner looked dead), and a late beat comes in the window between
+    # its check and its touch: it touches only the file it created, never the taker's
+    monkeypatch.setattr(owner, "_still_mine", lambda: True)
+    write_lock(folder, "node-7", 1234, heartbeat_age=60)
+    time.sleep(0.3)
+    holder = ownership.read_holder(path)
+    assert (holder.host, holder.token) == ("node-7", "other") and time.time() - holder.heartbeat > 59
+    monkeypatch.undo()
     owner.release()
     assert ownership.read_holder(path).host == "node-7"
 

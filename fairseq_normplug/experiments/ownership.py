@@ -3,8 +3,11 @@ of a shared filesystem.
 
 ``RUN_DIR/owner.lock`` is created with ``O_CREAT | O_EXCL`` (atomic on local filesystems and
 on NFSv3+), and holds its owner as JSON: ``host``, ``pid``, ``slurm_job`` (``$SLURM_ARRAY_JOB_ID
-_$SLURM_ARRAY_TASK_ID`` or ``$SLURM_JOB_ID``), a random ``token`` and a ``heartbeat`` (Unix
-time) that the owner rewrites every :data:`HEARTBEAT_S` seconds while it trains or decodes.
+_$SLURM_ARRAY_TASK_ID`` or ``$SLURM_JOB_ID``), a random ``token`` and ``created`` (Unix time).
+The heartbeat is the file's modification time: every :data:`HEARTBEAT_S` seconds while it trains
+or decodes, the owner touches the file it created through the descriptor it keeps open
+(``os.utime(fd)``). It never writes by path, so a lock a taker has put in its place (when this
+owner looked dead) is never overwritten by a late beat.
 
 * A run held by a live owner is not touched: :meth:`RunOwnership.acquire` returns the holder,
   and the launcher says who holds it and comes back to it later.
@@ -83,6 +86,11 @@ class Holder:
         return cls(host=socket.gethostname(), pid=os.getpid(), slurm_job=slurm_job(), token=token,
                    heartbeat=time.time())
 
+    def record(self) -> dict:
+        """The lock file's JSON (the heartbeat is the file's modification time)."""
+        return {"host": self.host, "pid": self.pid, "slurm_job": self.slurm_job, "token": self.token,
+                "created": self.heartbeat}
+
     def describe(self) -> str:
         job = f", SLURM job {self.slurm_job}" if self.slurm_job else ""
         return f"host {self.host} pid {self.pid}{job} (heartbeat {max(0.0, time.time() - self.heartbeat):.0f} s ago)"
@@ -98,8 +106,8 @@ class Holder:
 
 
 def read_holder(path: str) -> Optional[Holder]:
-    """The holder of lock file ``path``; None when there is no lock. A lock still being written
-    (empty or cut) names an unknown owner whose heartbeat is the file's time."""
+    """The holder of lock file ``path``, its heartbeat the file's modification time; None when
+    there is no lock. A lock still being written (empty or cut) names an unknown owner."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -109,16 +117,21 @@ def read_holder(path: str) -> Optional[Holder]:
     try:
         data = json.loads(text)
         return Holder(host=str(data["host"]), pid=int(data["pid"]), slurm_job=data.get("slurm_job"),
-                      token=str(data["token"]), heartbeat=float(data["heartbeat"]))
+                      token=str(data["token"]), heartbeat=modified)
     except (ValueError, KeyError, TypeError):
         return Holder(host="?", pid=-1, slurm_job=None, token="?", heartbeat=modified)
 
 
-def _write_new(path: str, holder: Holder) -> None:
-    """Create ``path`` holding ``holder``; FileExistsError if it exists."""
+def _write_new(path: str, holder: Holder) -> int:
+    """Create ``path`` holding ``holder`` and return its open descriptor (the caller closes it);
+    FileExistsError if it exists."""
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(holder.__dict__, f)
+    try:
+        os.write(fd, json.dumps(holder.record()).encode("utf-8"))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class RunOwnership:
@@ -137,12 +150,13 @@ class RunOwnership:
         self.took_over: Optional[tuple] = None
         self._stop = threading.Event()
         self._beat: Optional[threading.Thread] = None
+        self._fd: Optional[int] = None  # the lock file this owner created, kept open
 
     def acquire(self) -> Optional[Holder]:
         """Take the run: None when it is ours now, else its live holder."""
         for _ in range(5):
             try:
-                _write_new(self.path, self.me)
+                self._fd = _write_new(self.path, self.me)
             except FileExistsError:
                 holder = read_holder(self.path)
                 if holder is None:
@@ -167,7 +181,7 @@ class RunOwnership:
             if time.time() - os.path.getmtime(guard) > TAKEOVER_STALE_S:
                 os.remove(guard)
         try:
-            _write_new(guard, self.me)
+            os.close(_write_new(guard, self.me))
         except FileExistsError:
             return False
         try:
@@ -183,19 +197,20 @@ class RunOwnership:
         self._beat = threading.Thread(target=self._heartbeat, daemon=True)
         self._beat.start()
 
+    def _still_mine(self) -> bool:
+        """Whether the lock file at the path is still the one this owner created."""
+        try:
+            here, mine = os.stat(self.path), os.fstat(self._fd)
+        except OSError:  # removed, or (NFS) our file is gone from the server
+            return False
+        return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
-            holder = read_holder(self.path)
-            if holder is None or holder.token != self.me.token:
-                return  # taken over (this owner looked dead): leave the new owner's lock alone
-            tmp = f"{self.path}.{self.me.token}.tmp"
-            try:
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump({**self.me.__dict__, "heartbeat": time.time()}, f)
-                os.replace(tmp, self.path)
-            except OSError:  # a full disk: try again at the next beat
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
+            if not self._still_mine():
+                return  # taken over (this owner looked dead): the new owner's lock is its own
+            with contextlib.suppress(OSError):  # a full disk or a lost server: the next beat
+                os.utime(self._fd)  # touches only the file this owner created
 
     def release(self) -> None:
         """Stop the heartbeat and remove the lock, if it is still this owner's."""
@@ -203,10 +218,13 @@ class RunOwnership:
         if self._beat is not None:
             self._beat.join()
             self._beat = None
-        holder = read_holder(self.path)
-        if holder is not None and holder.token == self.me.token:
+        if self._fd is None:
+            return
+        if self._still_mine():
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
+        os.close(self._fd)
+        self._fd = None
 
 
 @contextlib.contextmanager
