@@ -67,7 +67,7 @@ def equivalent_scale(norm, x: torch.Tensor):
     if kind == "ScaleNorm":
         return float((float(norm.g) / _row_norm(x).clamp_min(eps)).mean()), "mean g/||x|| per token"
     if isinstance(getattr(norm, "alpha", None), torch.Tensor):
-        return float(norm.alpha), "alpha"
+        return float(norm.alpha.detach().float().mean()), "alpha"  # a per-channel alpha: its mean
     return math.nan, "unknown"
 
 

@@ -1,7 +1,18 @@
 """Dynamic Tanh of Zhu et al. (2025), "Transformers without Normalization", eq. (1):
 DyT(x) = gamma * tanh(alpha * x) + beta, a drop-in replacement for a norm layer.
 With ``zero_centered_gamma`` (``--zero-centered-gamma``) the gain applied is 1 + gamma,
-gamma init 0 (``norm_base.py``)."""
+gamma init 0 (``norm_base.py``).
+
+Two ablations users of the authors' code ask for: ``alpha_per_channel``
+(``--dyt-alpha-per-channel``, erogol/BlaGPT issue 4) makes alpha a d-vector, every channel
+starting at the same alpha0; ``affine=False`` (``--dyt-no-affine``, jiachenzhu/DyT issues 2
+and 10) drops gamma and beta, DyT(x) = tanh(alpha x), as the authors' DiT module does with
+``elementwise_affine=False`` (jiachenzhu/DyT ``other_tasks/DiT/dynamic_tanh.py:12-20``).
+
+The authors' modules store alpha with shape (1,) (``dynamic_tanh.py:13``); ours is a 0-dim
+scalar (a d-vector when per channel). Their state dicts load as they are: torch's
+``Module._load_from_state_dict`` copies a (1,) entry into a 0-dim parameter (its "loading
+1-dim tensor from 0.3.*" rule), and this project's own 0-dim checkpoints keep loading."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,9 +37,11 @@ SQUASH_FUNCTIONS = {
 }
 
 
-def dynamic_tanh_reference(x, alpha, weight, bias, squash: str = "tanh"):
-    """``weight * squash(alpha * x) + bias`` elementwise (section 4 of the DyT paper)."""
-    return weight * SQUASH_FUNCTIONS[squash](alpha * x) + bias
+def dynamic_tanh_reference(x, alpha, weight=None, bias=None, squash: str = "tanh"):
+    """``weight * squash(alpha * x) + bias`` elementwise (section 4 of the DyT paper);
+    ``squash(alpha * x)`` without ``weight`` and ``bias`` (no affine)."""
+    squashed = SQUASH_FUNCTIONS[squash](alpha * x)
+    return squashed if weight is None else weight * squashed + bias
 
 
 def _squash_and_slope(z: torch.Tensor, squash: str):
@@ -53,14 +66,15 @@ def _dynamic_tanh_forward(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Te
 def _dynamic_tanh_backward(grad: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor,
                            weight: torch.Tensor, squash: str):
     """Hand-derived gradient of eq. (1), squash recomputed from x (nothing but x is saved).
-    With z = a x and e = dy g squash'(z): ``dx = a e``, ``da = sum e x``,
-    ``dg = sum_rows dy squash(z)``, ``db = sum_rows dy``."""
+    With z = a x and e = dy g squash'(z): ``dx = a e``, ``da = sum e x`` (summed over rows
+    only for a per-channel alpha), ``dg = sum_rows dy squash(z)``, ``db = sum_rows dy``."""
     dtype = compute_dtype(x)
     xf, gf = x.to(dtype), grad.to(dtype)
     a = alpha.to(dtype)
     t, slope = _squash_and_slope(xf * a, squash)
     e = gf * weight.to(dtype) * slope
-    return (e * a).to(grad.dtype), (e * xf).sum(), (gf * t).sum(0), gf.sum(0)
+    grad_alpha = (e * xf).sum(0) if alpha.dim() else (e * xf).sum()
+    return (e * a).to(grad.dtype), grad_alpha, (gf * t).sum(0), gf.sum(0)
 
 
 dynamic_tanh_forward_kernel = Kernel(_dynamic_tanh_forward)
@@ -92,13 +106,19 @@ class _DynamicTanhFunction(torch.autograd.Function):
         )
 
 
+def _native_ops(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor):
+    """``torch.ops.normplug`` when this call runs natively: the C++ operator takes one alpha,
+    so a per-channel alpha runs the fused kernels (whose backward sums its gradient per channel)."""
+    return native_ops(x, weight) if alpha.numel() == 1 else None
+
+
 def dynamic_tanh(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor, squash: str = "tanh") -> torch.Tensor:
     """Fast path of :func:`dynamic_tanh_reference` (same values and gradients, computed in
     float32 for fp16/bf16 input, output in the input dtype): the native C++ operator, or one
     fused elementwise kernel each way, with a rational tanh when compiled on CPU; see
-    ``fused.py``."""
-    ops = native_ops(x, weight)
+    ``fused.py``. ``alpha``: one value, or one per channel (fused kernels only)."""
+    ops = _native_ops(x, alpha, weight)
     if ops is not None:
         return ops.dynamic_tanh(x, alpha, weight, bias, native.SQUASH_CODES[squash])
     if needs_autograd(x, alpha, weight, bias):
@@ -121,6 +141,12 @@ class DynamicTanh(FormulaNorm):
     and stored in float32. ``forward`` runs the fused fast path :func:`dynamic_tanh`.
     ``zero_centered_gamma=True``: ``weight`` holds a zero-initialised gamma and the gain is
     1 + gamma, passed to the fast path as its weight (``norm_base.py``).
+
+    Ablations (module docstring): ``alpha_per_channel=True`` makes ``alpha`` a d-vector, every
+    channel initialised to ``alpha_init`` (``auto``: to the one 1/std of the whole input); it
+    takes the fused kernels, not the native operator, and is cast with the model like the gain.
+    ``affine=False`` creates no ``weight`` and ``bias``: ``squash(alpha x)``, computed by
+    ``reference`` (the plain path).
     """
 
     auto_init_parameter = "alpha"
@@ -144,6 +170,12 @@ class DynamicTanh(FormulaNorm):
         add("--dyt-no-alpha", action="store_true",
             help="the DyT paper's 'without alpha' ablation (section 6): squash(x), i.e. alpha fixed "
                  "at 1 (= --dyt-freeze-alpha --dyt-alpha-init 1)")
+        add("--dyt-alpha-per-channel", action="store_true",
+            help="ablation: one DyT alpha per channel (a d-vector) instead of one scalar, every "
+                 "channel starting at the alpha init (auto: the one 1/std of the whole input)")
+        add("--dyt-no-affine", action="store_true",
+            help="ablation: DyT without its per-channel gain and bias, tanh(alpha x) (the DyT "
+                 "authors' elementwise_affine=False)")
 
     @classmethod
     def check_args(cls, args):
@@ -155,11 +187,15 @@ class DynamicTanh(FormulaNorm):
         squash = args.dyt_squash or "tanh"
         if squash not in SQUASH_FUNCTIONS:
             raise NormplugError(f"unknown --dyt-squash {squash!r}; choose from {', '.join(SQUASH_FUNCTIONS)}")
+        if args.dyt_no_affine and getattr(args, "zero_centered_gamma", False):
+            raise NormplugError("--dyt-no-affine cannot be combined with --zero-centered-gamma: without "
+                                "the affine there is no gamma to store zero-centred")
 
     @classmethod
     def build(cls, dim, args, slot):
         """alpha0: ``--dyt-alpha-init`` (``--dyt-attn-alpha-init`` in attention blocks), 1 with
-        ``--dyt-no-alpha``, or ``auto``; ``--dyt-squash``, ``--dyt-freeze-alpha``."""
+        ``--dyt-no-alpha``, or ``auto``; ``--dyt-squash``, ``--dyt-freeze-alpha``,
+        ``--dyt-alpha-per-channel``, ``--dyt-no-affine``."""
         alpha = DYT_DEFAULT_ALPHA if args.dyt_alpha_init is None else args.dyt_alpha_init
         if slot.role == ATTENTION and args.dyt_attn_alpha_init is not None:
             alpha = args.dyt_attn_alpha_init
@@ -167,7 +203,9 @@ class DynamicTanh(FormulaNorm):
             alpha = 1.0
         return scale_init(alpha, lambda a: cls(dim, alpha_init=a, squash=args.dyt_squash or "tanh",
                                                learnable_alpha=not (args.dyt_freeze_alpha or args.dyt_no_alpha),
-                                               zero_centered_gamma=args.zero_centered_gamma),
+                                               zero_centered_gamma=args.zero_centered_gamma,
+                                               alpha_per_channel=args.dyt_alpha_per_channel,
+                                               affine=not args.dyt_no_affine),
                           DYT_DEFAULT_ALPHA)
 
     def __init__(
@@ -177,6 +215,8 @@ class DynamicTanh(FormulaNorm):
         squash: str = "tanh",
         learnable_alpha: bool = True,
         zero_centered_gamma: bool = False,
+        alpha_per_channel: bool = False,
+        affine: bool = True,
     ):
         super().__init__(dim, zero_centered_gamma)
         if squash not in SQUASH_FUNCTIONS:
@@ -185,15 +225,22 @@ class DynamicTanh(FormulaNorm):
             )
         if not alpha_init > 0:
             raise ValueError(f"DyT alpha init must be positive, got {alpha_init}")
+        if zero_centered_gamma and not affine:
+            raise ValueError("a DyT without affine has no gamma to zero-centre")
         self.squash = squash
-        self.alpha = nn.Parameter(torch.tensor(float(alpha_init)), requires_grad=learnable_alpha)
-        self.weight = self.new_gain()
-        self.bias = nn.Parameter(torch.zeros(dim))
+        self.affine = affine
+        self.alpha = nn.Parameter(torch.full((dim,) if alpha_per_channel else (), float(alpha_init)),
+                                  requires_grad=learnable_alpha)
+        if affine:
+            self.weight = self.new_gain()
+            self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.affine:
+            return self.reference(x)
         return dynamic_tanh(x, self.alpha, self.gain(), self.bias, self.squash)
 
-    def formula(self, x, alpha, weight, bias):
+    def formula(self, x, alpha, weight=None, bias=None):
         """:func:`dynamic_tanh_reference` (``reference(x)`` runs it in float32)."""
         return dynamic_tanh_reference(x, alpha, weight, bias, self.squash)
 
@@ -207,11 +254,17 @@ class DynamicTanh(FormulaNorm):
             return float(((x.float() * self.alpha.float()).abs() > SATURATION_THRESHOLD).float().mean())
 
     def fast_path(self, x: torch.Tensor) -> str:
-        """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``)."""
-        return fused.path(dynamic_tanh_forward_kernel, x, self.weight)
+        """Which path ``forward(x)`` takes: native, compiled or eager (``fused.py``); a
+        per-channel alpha never runs native; ``plain`` without affine."""
+        if not self.affine:
+            return "plain"
+        if _native_ops(x, self.alpha, self.weight) is not None:
+            return "native"
+        return dynamic_tanh_forward_kernel.path(rows(x))
 
     def extra_repr(self) -> str:
+        alpha = (f"alpha={self.alpha.item():.3g}" if self.alpha.dim() == 0
+                 else f"alpha=per-channel (mean {self.alpha.float().mean().item():.3g})")
         return (
-            f"{self.dim}, alpha={self.alpha.item():.3g}, squash={self.squash}, "
-            f"learnable_alpha={self.alpha.requires_grad}"
-        ) + "".join(", " + item for item in zero_centered_repr(self))
+            f"{self.dim}, {alpha}, squash={self.squash}, learnable_alpha={self.alpha.requires_grad}"
+        ) + ("" if self.affine else ", affine=False") + "".join(", " + item for item in zero_centered_repr(self))

@@ -22,9 +22,12 @@ from fairseq_normplug.modules.norm_base import effective_gain
 
 def norm_scale_stats(norm: nn.Module) -> Dict[str, float]:
     """The scalar(s) that describe a norm's learned scale: each scalar parameter (ScaleNorm g,
-    DyT/Derf alpha, Derf shift, DyISRU beta) and the mean |gain| of the gain applied
-    (1 + gamma with ``--zero-centered-gamma``, ``norm_base.effective_gain``)."""
-    stats = {name: float(p) for name, p in norm.named_parameters(recurse=False) if p.dim() == 0}
+    DyT/Derf alpha, Derf shift, DyISRU beta; the mean of a per-channel alpha,
+    ``--dyt-alpha-per-channel``) and the mean |gain| of the gain applied (1 + gamma with
+    ``--zero-centered-gamma``, ``norm_base.effective_gain``)."""
+    scale = getattr(norm, "auto_init_parameter", None)
+    stats = {name: float(p.detach().float().mean()) for name, p in norm.named_parameters(recurse=False)
+             if p.dim() == 0 or name == scale}
     gain = effective_gain(norm)
     if gain is not None:
         stats["gain"] = float(gain.detach().abs().mean())

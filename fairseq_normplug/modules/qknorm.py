@@ -77,17 +77,19 @@ def training_target_lengths(data: str, src: str, tgt: str, split: str = "train")
 
 class HeadNormProjection(nn.Linear):
     """A q/k projection whose output is l2-normalised within each of ``num_heads`` heads;
-    the query projection also multiplies by the learnable scalar ``g``."""
+    the query projection also multiplies by the learnable scalar ``g``. Built in the dtype and
+    on the device of the projection it replaces (a float64 model keeps float64 weights)."""
 
     def __init__(self, linear: nn.Linear, num_heads: int, g0: Optional[float] = None, eps: float = 1e-6):
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        like = {"dtype": linear.weight.dtype, "device": linear.weight.device}
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, **like)
         with torch.no_grad():
             self.weight.copy_(linear.weight)
             if linear.bias is not None:
                 self.bias.copy_(linear.bias)
         self.num_heads = num_heads
         self.eps = eps
-        self.g = nn.Parameter(torch.tensor(float(g0))) if g0 is not None else None
+        self.g = nn.Parameter(torch.tensor(float(g0), **like)) if g0 is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)

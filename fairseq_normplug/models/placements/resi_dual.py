@@ -6,7 +6,10 @@ sublayer k (self-attention, cross-attention, FFN, in order through all layers)
     y_{k+1} = y_k + F_k(x_k)          (the PreNorm stream: the raw sublayer outputs, y_0 = x_0)
 
 and the stack's output is x_N + LN_f(y_N), LN_f one extra norm per stack. F_k(x_k) is the
-sublayer output after dropout, the same tensor in both streams.
+sublayer output after dropout, the same tensor in both streams. LN_f is a LayerNorm with eps
+1e-7, as in the authors' code (microsoft/ResiDual ``resi_dual/resi_dual.py:24`` encoder,
+``:157`` decoder; applied to the PreNorm stream at ``:131`` and ``:283``); with another
+``--norm-type`` it is that norm with its usual eps (``--norm-eps``).
 
 fairseq's stack loops pass one tensor from layer to layer, so between layers the two streams
 travel concatenated along the feature axis, [x; y] (2d wide; ``return_all_hiddens`` states
@@ -19,9 +22,12 @@ streams, so LayerDrop (which skips layers) is refused, as are residual scalings 
 """
 import torch
 
-from fairseq_normplug.modules.norm_registry import FINAL
+from fairseq_normplug.modules.norm_registry import FINAL, norm_type_of
 
 from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
+
+#: eps of the LayerNorm LN_f of the PreNorm stream (microsoft/ResiDual resi_dual/resi_dual.py:24, :157)
+FINAL_LAYER_NORM_EPS = 1e-7
 
 
 @register_placement("resi-dual")
@@ -45,6 +51,14 @@ class ResiDual(Placement):
         layer.resi_dual_first, layer.resi_dual_last = index == 0, index == num_layers - 1
         if layer.resi_dual_last:
             layer.resi_dual_layer_norm = new_norm(layer.embed_dim, FINAL)
+
+    def finish_model(self, model):
+        """LN_f of each stack gets the authors' eps 1e-7 when it is a LayerNorm (also the
+        zero-centred one); set here, after ``install_norms`` built the chosen norm type."""
+        for stack in (model.encoder, model.decoder):
+            norm = stack.layers[-1].resi_dual_layer_norm
+            if norm_type_of(norm) == "layernorm":
+                norm.eps = FINAL_LAYER_NORM_EPS
 
     def sublayers(self, layer, x, sublayers):
         if layer.resi_dual_first:
