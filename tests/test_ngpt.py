@@ -14,8 +14,9 @@ from fairseq.optim.fp16_optimizer import FP16Optimizer
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
-from fairseq_normplug.models.placements.ngpt import renormalize_after_step
+from fairseq_normplug.models.placements.ngpt import normalize_matrices
 from model_helpers import assert_incremental_matches_full, build, parse_args, randomized, toy_batch
+from test_placements import one_backward
 from test_resume import train_in_process
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
@@ -127,6 +128,20 @@ def test_incremental_decoding_equals_the_full_forward(tiny_bin):
     assert_incremental_matches_full(model, task)
 
 
+def test_every_parameter_trains_and_checkpoint_activations_agree(tiny_bin):
+    """alphas, sqk, suv, sz and every matrix get finite gradients; fairseq's
+    --checkpoint-activations wraps nGPT's layers with the same gradients."""
+    model, task = ngpt(tiny_bin, seed=7)
+    grads = one_backward(model, task)
+    assert all(grad is not None and torch.isfinite(grad).all() for grad in grads.values())
+    assert {"decoder.layers.0.alpha_cross", "decoder.layers.0.encoder_attn.k_proj.sqk", "encoder.layers.1.fc1.suv",
+            "decoder.output_projection.sz"} <= set(grads)
+    wrapped, _ = ngpt(tiny_bin, "--checkpoint-activations", seed=7)
+    assert all(hasattr(layer, "precheckpoint_forward") for layer in wrapped.encoder.layers)
+    for name, grad in one_backward(wrapped, task).items():
+        assert torch.allclose(grad, grads[name], atol=1e-6), name
+
+
 def test_bf16_forward_is_finite_and_near_fp32(tiny_bin):
     model, task = ngpt(tiny_bin)
     model.eval()
@@ -152,7 +167,7 @@ def test_renormalising_reaches_the_fp32_masters(tiny_bin, monkeypatch, flatten):
     with torch.no_grad():
         for master in masters:
             master.mul_(1.5)  # an optimizer step moved every weight off the sphere
-    renormalize_after_step(model, optimizer)
+    normalize_matrices(model, optimizer)
     assert_unit_matrices(model.state_dict(), atol=1e-2)  # bfloat16 rounding
     optimizer._sync_fp32_params_to_fp16()  # fairseq's own copy after its next step
     assert_unit_matrices(model.state_dict(), atol=1e-2)

@@ -22,7 +22,7 @@ Every decoding option holds for fairseq-generate, fairseq-interactive (both take
 builds its generator through :meth:`build_generator`).
 
 * ``--ngpt`` models: ``optimizer_step`` puts their weight rows back on the unit sphere right
-  after every optimizer step (``models/placements/ngpt.py``, ``renormalize_after_step``).
+  after every optimizer step (``models/placements/ngpt.py``, ``normalize_matrices``).
 * ``--resume-batches uninterrupted`` (default): a resumed run trains on the batches an
   uninterrupted run trains on, so a killed and re-run job is bit-identical to one that was
   never stopped (:mod:`fairseq_normplug.tasks.resume_batches`; ``fairseq`` keeps stock
@@ -47,7 +47,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.models.placements.ngpt import renormalize_after_step
+from fairseq_normplug.models.placements.ngpt import normalize_matrices
 from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator
 from fairseq_normplug.tasks.gnmt_search import GnmtBeamSearchGenerator
 from fairseq_normplug.tasks.length_cap import cap_each_sentence
@@ -170,7 +170,7 @@ class TranslationNormplugTask(TranslationTask):
 
     def optimizer_step(self, optimizer, model, update_num):
         super().optimizer_step(optimizer, model, update_num)
-        renormalize_after_step(model, optimizer)  # --ngpt: weight rows back on the unit sphere
+        normalize_matrices(model, optimizer)  # --ngpt: weight rows back on the unit sphere
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, seed=1, num_shards=1,

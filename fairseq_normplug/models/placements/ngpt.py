@@ -22,7 +22,7 @@ authors do (a parameter's effective value is stored * init_value / init_scaling)
 Linear layers have no bias (model.py:72-79, ``bias=False``). After the build, the matrices are
 drawn Gaussian (model.py:259-265) and normalised along d (train.py:394-411): embeddings, the
 output projection, q/k/v and fc1 per row (dim 1), out_proj and fc2 per column (dim 0). They are
-normalised again after every optimizer step (train.py:499-500) by :func:`renormalize_after_step`,
+normalised again after every optimizer step (train.py:499-500) by :func:`normalize_matrices`,
 which ``translation_normplug``'s ``optimizer_step`` (fairseq's own hook, right after the step)
 calls; rows of zeros (the padding embedding) stay zero.
 
@@ -40,7 +40,7 @@ from torch import nn
 
 from fairseq_normplug.models.placements.base import Modifier, flag, register_modifier
 
-#: effective initial values (the authors' ``*_init_value``), model.py:86, 90, 94, 98, 239
+#: the eigen learning rates' effective initial value (``attn_alpha_init_value``, model.py:86, 90)
 ALPHA_INIT = 0.05
 #: the sublayers' eigen learning rates, by sublayer kind (alpha_A, alpha_C, alpha_M)
 ALPHA_NAMES = {"attn": "alpha_attn", "cross": "alpha_cross", "ffn": "alpha_ffn"}
@@ -58,6 +58,7 @@ def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def scaled_parameter(size: int, stored: float, like: torch.Tensor) -> nn.Parameter:
+    """A vector of ``size`` entries, all ``stored``, in ``like``'s dtype and device."""
     return nn.Parameter(torch.full((size,), stored, dtype=like.dtype, device=like.device))
 
 
@@ -119,13 +120,6 @@ def unit_matrices(model: nn.Module):
     return [p for p in model.parameters() if hasattr(p, UNIT_DIM)]
 
 
-@torch.no_grad()
-def normalize_matrices(model: nn.Module) -> None:
-    """Put every nGPT matrix's rows (or columns) back on the unit sphere (train.py:394-408)."""
-    for weight in unit_matrices(model):
-        weight.copy_(unit(weight, getattr(weight, UNIT_DIM)))
-
-
 def fp32_masters(optimizer):
     """{id(model parameter): its float32 master} of fairseq's FP16Optimizer (--fp16/--bf16), the
     tensors its inner optimizer updates and then copies into the model
@@ -146,22 +140,19 @@ def fp32_masters(optimizer):
 
 
 @torch.no_grad()
-def renormalize_after_step(model: nn.Module, optimizer) -> None:
-    """Right after an optimizer step (train.py:499-500): normalise every nGPT matrix, where the
-    optimizer keeps float32 masters on the master (then copied into the model), so the next
-    step, the next forward and a checkpoint saved now all see unit rows. Same arithmetic on
-    every data-parallel rank (identical weights stay identical); no-op for other models."""
-    matrices = unit_matrices(model)
-    if not matrices:
-        return
+def normalize_matrices(model: nn.Module, optimizer=None) -> None:
+    """Put every nGPT matrix's rows (or columns) on the unit sphere (train.py:394-408): after
+    the build, and right after every optimizer step (train.py:499-500), where an optimizer with
+    float32 masters has them normalised and copied into the model, so the next step, the next
+    forward and a checkpoint saved now all see unit rows. The same arithmetic on every
+    data-parallel rank (identical weights stay identical); no-op for other models."""
     masters = fp32_masters(optimizer)
-    for weight in matrices:
+    for weight in unit_matrices(model):
+        dim = getattr(weight, UNIT_DIM)
         master = masters.get(id(weight))
-        if master is None:
-            weight.copy_(unit(weight, getattr(weight, UNIT_DIM)))
-        else:
-            master.copy_(unit(master, getattr(weight, UNIT_DIM)))
-            weight.copy_(master)
+        if master is not None:
+            master.copy_(unit(master, dim))
+        weight.copy_(unit(weight, dim) if master is None else master)
 
 
 #: flags whose formulas contradict nGPT: (dest, why), refused when given (truthy)
