@@ -146,8 +146,9 @@ def normalize_matrices(model: nn.Module, optimizer=None) -> None:
     float32 masters has them normalised and copied into the model, so the next step, the next
     forward and a checkpoint saved now all see unit rows. The same arithmetic on every
     data-parallel rank (identical weights stay identical); no-op for other models."""
-    masters = fp32_masters(optimizer)
-    for weight in unit_matrices(model):
+    matrices = unit_matrices(model)
+    masters = fp32_masters(optimizer) if matrices else {}
+    for weight in matrices:
         dim = getattr(weight, UNIT_DIM)
         master = masters.get(id(weight))
         if master is not None:
