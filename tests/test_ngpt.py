@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fairseq import checkpoint_utils
+from fairseq.logging import metrics
 from fairseq.optim.fp16_optimizer import FP16Optimizer
 
 from fairseq_normplug.errors import NormplugError
@@ -140,6 +141,26 @@ def test_every_parameter_trains_and_checkpoint_activations_agree(tiny_bin):
     assert all(hasattr(layer, "precheckpoint_forward") for layer in wrapped.encoder.layers)
     for name, grad in one_backward(wrapped, task).items():
         assert torch.allclose(grad, grads[name], atol=1e-6), name
+
+
+def test_norm_stats_interval_logs_the_eigen_learning_rates_and_scales(tiny_bin):
+    """--norm-stats-interval N: every N training updates, the effective alphas, sqk, suv and sz
+    (their inits 0.05, 1, 1, 1); nothing on other updates or in eval mode."""
+    model, task = ngpt(tiny_bin, "--norm-stats-interval", "5")
+    src, lengths, prev = toy_batch(task)
+    model.train()
+    logged = {}
+    for update, training in ((10, True), (11, True), (10, False)):
+        model.set_num_updates(update)
+        model.train(training)
+        with metrics.aggregate(new_root=True) as agg:
+            model(src, lengths, prev)
+        logged[update, training] = agg.get_smoothed_values()
+    assert not logged[11, True] and not logged[10, False]
+    values = logged[10, True]
+    assert len(values) == 2 * 4 + 2 * 6 + 1  # encoder layer: alpha, sqk (attn), alpha, suv (ffn); decoder: + cross; sz
+    assert values["ngpt_alpha:dec1.cross"] == values["ngpt_alpha:enc0.ffn"] == pytest.approx(0.05)
+    assert values["sqk:enc1.attn"] == values["suv:dec0.ffn"] == values["sz:dec"] == pytest.approx(1.0)
 
 
 def test_bf16_forward_is_finite_and_near_fp32(tiny_bin):

@@ -24,7 +24,8 @@ drawn Gaussian (model.py:259-265) and normalised along d (train.py:394-411): emb
 output projection, q/k/v and fc1 per row (dim 1), out_proj and fc2 per column (dim 0). They are
 normalised again after every optimizer step (train.py:499-500) by :func:`normalize_matrices`,
 which ``translation_normplug``'s ``optimizer_step`` (fairseq's own hook, right after the step)
-calls; rows of zeros (the padding embedding) stay zero.
+calls; rows of zeros (the padding embedding) stay zero. With ``--norm-stats-interval`` the
+training log gets the authors' logged quantities instead of norm statistics (:class:`SphereStats`).
 
 This project's choices (docs/beyond.md): the decoder's cross-attention gets the same update with
 its own alpha_cross and sqk (q from the decoder state, k/v from the unit-norm encoder output);
@@ -36,6 +37,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from fairseq.logging import metrics
 from torch import nn
 
 from fairseq_normplug.models.placements.base import Modifier, flag, register_modifier
@@ -156,6 +158,44 @@ def normalize_matrices(model: nn.Module, optimizer=None) -> None:
         weight.copy_(unit(weight, dim) if master is None else master)
 
 
+class SphereStats(nn.Module):
+    """``--norm-stats-interval N`` for nGPT, which has no norm module: every N training updates,
+    the mean effective eigen learning rates and scales of one stack, as the authors log them
+    (signed means, train.py:329-355), into the training log under ``ngpt_alpha:enc0.attn``
+    (not DyT's ``alpha:``), ``sqk:dec1.cross``, ``suv:enc0.ffn`` and ``sz:dec``. No parameters,
+    no state: the model's ``set_num_updates`` reaches it (fairseq passes it to every
+    submodule), and the stack's forward pre-hook :func:`log_sphere_stats` logs."""
+
+    def __init__(self, prefix: str, interval: int):
+        super().__init__()
+        self.prefix, self.interval, self.due = prefix, interval, False
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self.due = self.interval > 0 and num_updates % self.interval == 0
+
+
+def log_sphere_stats(stack: nn.Module, inputs) -> None:
+    """A stack's forward pre-hook: log its :class:`SphereStats` on a due training update."""
+    stats = stack.sphere_stats
+    if not (stats.due and stack.training):
+        return
+    root_d = math.sqrt(stack.embed_tokens.embedding_dim)  # stored 1/sqrt(d) -> effective
+
+    def log_mean(key: str, stored: torch.Tensor, factor: float) -> None:
+        metrics.log_scalar(key, float(stored.detach().mean()) * factor, round=4)
+
+    for index, layer in enumerate(stack.layers):
+        name = f"{stats.prefix}{index}"
+        for kind, attn_name in (("attn", "self_attn"), ("cross", "encoder_attn")):
+            if getattr(layer, attn_name, None) is not None:
+                log_mean(f"ngpt_alpha:{name}.{kind}", getattr(layer, ALPHA_NAMES[kind]), ALPHA_INIT * root_d)
+                log_mean(f"sqk:{name}.{kind}", getattr(layer, attn_name).q_proj.sqk, root_d)
+        log_mean(f"ngpt_alpha:{name}.ffn", layer.alpha_ffn, ALPHA_INIT * root_d)
+        log_mean(f"suv:{name}.ffn", layer.fc1.suv, 1.0)
+    if getattr(stack, "output_projection", None) is not None:
+        log_mean(f"sz:{stats.prefix}", stack.output_projection.sz, root_d)
+
+
 #: flags whose formulas contradict nGPT: (dest, why), refused when given (truthy)
 CONTRADICTIONS = (
     ("fixnorm", "nGPT normalises every embedding row itself"),
@@ -184,6 +224,7 @@ class NGPT(Modifier):
 
     def __init__(self, args, placement):
         super().__init__(args, placement)
+        self.stats_interval = args.norm_stats_interval
         if placement.name != "post":
             self.refuse(f"--ngpt cannot be combined with {placement.describe()}: nGPT replaces the "
                         f"residual placement and has no norm layers; drop it")
@@ -236,9 +277,12 @@ class NGPT(Modifier):
 
     def build_stack(self, stack):
         mark(stack.embed_tokens.weight, 1)
-        if getattr(stack, "output_projection", None) is not None:  # the decoder
+        decoder = getattr(stack, "output_projection", None) is not None
+        if decoder:
             stack.output_projection = ScaledLogits(stack.output_projection)
             mark(stack.output_projection.weight, 1)
+        stack.sphere_stats = SphereStats("dec" if decoder else "enc", self.stats_interval)
+        stack.register_forward_pre_hook(log_sphere_stats)
 
     def finish_model(self, model):
         """The authors' init: Gaussian matrices (model.py:259-265; fairseq draws the embeddings
