@@ -1,9 +1,11 @@
 """--ngpt (nGPT, Loshchilov et al. 2025): unit hidden states after every layer, unit weight rows
 after the build and after optimizer steps (the fp32 masters of --fp16/--bf16 too), one
 decoder layer against a direct implementation of the authors' formulas, incremental decoding,
-20 updates of fairseq-train in-process with a normalised checkpoint that decodes, refusals."""
+24 updates of fairseq-train in-process: normalised checkpoints, a bit-identical resume, decoding;
+refusals."""
 import math
 import os
+import shutil
 from argparse import Namespace
 
 import pytest
@@ -196,19 +198,27 @@ def test_renormalising_reaches_the_fp32_masters(tiny_bin, monkeypatch, flatten):
     assert torch.allclose(sqk, torch.full_like(sqk, 1.5 / 8), atol=1e-3)  # scalars are not normalised
 
 
-def test_20_updates_normalised_checkpoint_and_decoding(tiny_bin, tmp_path):
-    """fairseq-train (in-process, no warmup, dropout 0.3, the TED recipe's output bias and
-    vocabulary mask): finite losses; the checkpoint saved right after the last step holds unit
-    rows; it decodes."""
+#: the TED recipe's output layer and criterion, without warmup (6 updates an epoch)
+RECIPE = ["--ngpt", "--lr-scheduler", "fixed", "--output-bias", "--target-vocab-mask",
+          "--criterion", "masked_label_smoothed_cross_entropy", "--norm-stats-interval", "5"]
+
+
+def test_24_updates_normalised_checkpoint_bit_identical_resume_and_decoding(tiny_bin, tmp_path):
+    """fairseq-train in-process (dropout 0.3, word dropout, --update-freq 2): finite losses; the
+    checkpoint saved right after a step holds unit rows; resuming from the epoch-2 checkpoint
+    reproduces updates 13-24 bit for bit (losses and parameters); the checkpoint decodes."""
     save_dir = str(tmp_path / "run")
-    records = train_in_process(tiny_bin, save_dir, "--ngpt", "--lr-scheduler", "fixed", "--max-update", "20",
-                               "--max-epoch", "4", "--no-epoch-checkpoints", "--output-bias", "--target-vocab-mask",
-                               "--criterion", "masked_label_smoothed_cross_entropy", "--norm-stats-interval", "5")
-    assert [r[0] for r in records] == list(range(1, 21))
+    records = train_in_process(tiny_bin, save_dir, *RECIPE, "--max-epoch", "4")
+    assert [r[0] for r in records] == list(range(1, 25))
     assert all(math.isfinite(loss) for r in records for loss in r[1])
+    for name in ("checkpoint2.pt", "checkpoint_last.pt"):
+        assert_unit_matrices(torch.load(os.path.join(save_dir, name), map_location="cpu", weights_only=False)["model"])
+    os.makedirs(tmp_path / "resumed")
+    shutil.copyfile(os.path.join(save_dir, "checkpoint2.pt"), tmp_path / "resumed" / "checkpoint_last.pt")
+    resumed = train_in_process(tiny_bin, str(tmp_path / "resumed"), *RECIPE, "--max-epoch", "4",
+                               "--no-epoch-checkpoints")
+    assert resumed == records[12:]
     checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]
-    assert_unit_matrices(state)
     (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([checkpoint])
     assert model.decoder.layers[0].alpha_ffn.abs().sum() != 64 / math.sqrt(64)  # trained
     assert model.decoder.output_projection.bias.abs().sum() > 0
