@@ -240,6 +240,8 @@ def test_24_updates_normalised_checkpoint_bit_identical_resume_and_decoding(tiny
     (["--residual-scale", "rezero"], "--ngpt cannot be combined with --residual-scale rezero"),
     (["--weight-init", "tfixup"], "--ngpt cannot be combined with --weight-init tfixup"),
     (["--layernorm-embedding"], "--ngpt cannot be combined with --layernorm-embedding"),
+    (["--quant-noise-pq", "0.1"], "--ngpt cannot be combined with --quant-noise-pq"),
+    (["--ddp-backend", "fully_sharded"], "--ngpt cannot be combined with --ddp-backend fully_sharded"),
     (["--optimizer", "adam", "--weight-decay", "0.1"], "--ngpt trains without weight decay"),
 ])
 def test_contradictions_are_refused_in_one_line(tiny_bin, flags, message):

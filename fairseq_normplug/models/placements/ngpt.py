@@ -204,6 +204,7 @@ CONTRADICTIONS = (
     ("layernorm_embedding", "nGPT has no norm layers"),
     ("adaptive_softmax_cutoff", "nGPT's logits are sz times the cosines of one output matrix"),
     ("norm_weight_decay", "nGPT has no norm layers and no weight decay"),
+    ("quant_noise_pq", "nGPT replaces the projections that quant-noise hooks into"),
 )
 
 
@@ -242,6 +243,9 @@ class NGPT(Modifier):
         for dest, why in CONTRADICTIONS:
             if getattr(args, dest, None):
                 self.refuse(f"--ngpt cannot be combined with {flag(dest)}: {why}")
+        if getattr(args, "ddp_backend", None) == "fully_sharded":
+            self.refuse("--ngpt cannot be combined with --ddp-backend fully_sharded: FSDP flattens the matrices "
+                        "that nGPT renormalises row by row after every step")
         if getattr(args, "weight_decay", 0) > 0:
             self.refuse(f"--ngpt trains without weight decay (NVIDIA/ngpt train.py:113): drop --weight-decay "
                         f"{args.weight_decay}")
