@@ -21,6 +21,8 @@ Every decoding option holds for fairseq-generate, fairseq-interactive (both take
 ``--task translation_normplug ...``) and fairseq-train's dev BLEU (``--eval-bleu``: the task
 builds its generator through :meth:`build_generator`).
 
+* ``--ngpt`` models: ``optimizer_step`` puts their weight rows back on the unit sphere right
+  after every optimizer step (``models/placements/ngpt.py``, ``normalize_matrices``).
 * ``--resume-batches uninterrupted`` (default): a resumed run trains on the batches an
   uninterrupted run trains on, so a killed and re-run job is bit-identical to one that was
   never stopped (:mod:`fairseq_normplug.tasks.resume_batches`; ``fairseq`` keeps stock
@@ -45,6 +47,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.placements.ngpt import normalize_matrices
 from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator
 from fairseq_normplug.tasks.gnmt_search import GnmtBeamSearchGenerator
 from fairseq_normplug.tasks.length_cap import cap_each_sentence
@@ -164,6 +167,10 @@ class TranslationNormplugTask(TranslationTask):
         if self.cfg.word_dropout > 0 and sample:
             sample = self.apply_word_dropout(sample, self.word_dropout_generator(update_num))
         return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+
+    def optimizer_step(self, optimizer, model, update_num):
+        super().optimizer_step(optimizer, model, update_num)
+        normalize_matrices(model, optimizer)  # --ngpt: weight rows back on the unit sphere
 
     def get_batch_iterator(self, dataset, max_tokens=None, max_sentences=None, max_positions=None,
                            ignore_invalid_inputs=False, required_batch_size_multiple=1, seed=1, num_shards=1,

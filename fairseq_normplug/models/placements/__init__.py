@@ -16,7 +16,7 @@ from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBL
                                                     Placement, layer_norm_slots, new_norm, register_modifier,
                                                     register_placement, registered_designs, set_final_norm)
 from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b2t, mix, hybrid  # noqa: F401,E402
-from fairseq_normplug.models.placements import normformer, layernorm_scaling  # noqa: F401,E402
+from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt  # noqa: F401,E402
 
 
 def placement_label(name: str, modifiers=()) -> str:
