@@ -22,7 +22,7 @@ from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
 PLACEMENT_NAMES = tuple(PLACEMENTS)
-NEW = ("sandwich", "resi-dual", "b2t", "mix", "hybrid")
+NEW = ("sandwich", "resi-dual", "b2t", "mix", "hybrid", "siamese", "output-norm")
 
 
 def placed(tiny_bin, placement, *flags, seed=1):
@@ -184,6 +184,11 @@ EXPECTED_NORMS = {
     "resi-dual": POST | {"enc1.resi_final", "dec1.resi_final"},
     "hybrid": layer_names("enc", 2, ["ffn", "attn_q", "attn_k", "attn_v"])
     | layer_names("dec", 2, ["ffn", "attn_q", "attn_k", "attn_v", "cross_q", "cross_k", "cross_v"])
+    | {"enc.final", "dec.final"},
+    "siamese": POST | {"enc.final", "dec.final", "enc1.post_final", "enc1.pre_final", "dec1.post_final", "dec1.pre_final"}
+    | layer_names("enc", 2, ["attn_post", "attn_pre", "ffn_post", "ffn_pre"])
+    | layer_names("dec", 2, ["attn_post", "attn_pre", "cross_post", "cross_pre", "ffn_post", "ffn_pre"]),
+    "output-norm": layer_names("enc", 2, ["attn_out", "ffn_out"]) | layer_names("dec", 2, ["attn_out", "cross_out", "ffn_out"])
     | {"enc.final", "dec.final"},
 }
 

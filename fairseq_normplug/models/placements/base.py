@@ -148,6 +148,19 @@ class Placement(LayerDesign):
     def describe(self) -> str:
         return f"--norm-placement {self.name}"
 
+    def refuse_residual_scale(self, args, reason: str) -> None:
+        """Refuse every ``--residual-scale`` (``reason``: why the placement's residuals take none)."""
+        residual = getattr(args, "residual_scale", None) or "none"
+        if residual != "none":
+            self.refuse(f"--residual-scale {residual} cannot be combined with {self.describe()}: {reason}")
+
+    def refuse_layerdrop(self, args) -> None:
+        """Refuse LayerDrop for a placement whose streams must run through every layer."""
+        for name in ("encoder_layerdrop", "decoder_layerdrop"):
+            if getattr(args, name, 0):
+                self.refuse(f"{flag(name)} {getattr(args, name)} cannot be combined with {self.describe()}: "
+                            f"its two streams run through every layer of the stack")
+
     def refuse_tfixup(self, args) -> None:
         """Refuse ``--weight-init tfixup`` for a placement without single x + F(x) residuals."""
         if getattr(args, "weight_init", None) == "tfixup":
