@@ -185,6 +185,8 @@ EXPECTED_NORMS = {
     "hybrid": layer_names("enc", 2, ["ffn", "attn_q", "attn_k", "attn_v"])
     | layer_names("dec", 2, ["ffn", "attn_q", "attn_k", "attn_v", "cross_q", "cross_k", "cross_v"])
     | {"enc.final", "dec.final"},
+    "hyper-connections": POST | {"enc.final", "dec.final"} | layer_names("enc", 2, ["hc_attn", "hc_ffn"])
+    | layer_names("dec", 2, ["hc_attn", "hc_cross", "hc_ffn"]),
 }
 
 
@@ -218,6 +220,7 @@ INCREMENTAL.update({
     "sandwich-identity-tfixup": ["--norm-placement", "sandwich", "--norm-type", "identity", "--weight-init", "tfixup"],
     "resi-dual-dyisru-xavier": ["--norm-placement", "resi-dual", "--norm-type", "dyisru", "--weight-init", "xavier"],
     "b2t-cross-self-attention": ["--norm-placement", "b2t", "--cross-self-attention"],
+    "mhc-3-rmsnorm": ["--norm-placement", "hyper-connections", "--hc-streams", "3", "--hc-manifold", "--rmsnorm"],
     "pre-qknorm-layerscale-lns": ["--prenorm", "--qknorm", "--qknorm-g0", "3", "--residual-scale", "layerscale",
                                   "--layernorm-scaling"],
 })

@@ -154,6 +154,19 @@ class Placement(LayerDesign):
             self.refuse(f"--weight-init tfixup cannot be combined with {self.describe()}: T-Fixup's "
                         f"scaling is derived for single x + F(x) residuals")
 
+    def refuse_single_residual_designs(self, args, residual_reason: str, layerdrop_reason: str) -> None:
+        """Refuse, for a placement whose residual streams run through every layer, what is defined
+        for one x + F(x) residual: any ``--residual-scale`` (``residual_reason`` says why), T-Fixup,
+        and ``--encoder-layerdrop`` / ``--decoder-layerdrop`` (``layerdrop_reason``)."""
+        residual = getattr(args, "residual_scale", None) or "none"
+        if residual != "none":
+            self.refuse(f"--residual-scale {residual} cannot be combined with {self.describe()}: {residual_reason}")
+        self.refuse_tfixup(args)
+        for name in ("encoder_layerdrop", "decoder_layerdrop"):
+            if getattr(args, name, 0):
+                self.refuse(f"{flag(name)} {getattr(args, name)} cannot be combined with {self.describe()}: "
+                            f"{layerdrop_reason}")
+
 
 class Modifier(LayerDesign):
     """A switch on top of a placement (its flag is ``--<name>``)."""

@@ -31,15 +31,9 @@ class ResiDual(Placement):
 
     def __init__(self, args):
         super().__init__(args)
-        residual = getattr(args, "residual_scale", None) or "none"
-        if residual != "none":
-            self.refuse(f"--residual-scale {residual} cannot be combined with {self.describe()}: "
-                        f"ResiDual's two residual streams share each sublayer output unscaled")
-        self.refuse_tfixup(args)
-        for name in ("encoder_layerdrop", "decoder_layerdrop"):
-            if getattr(args, name, 0):
-                self.refuse(f"--{name.replace('_', '-')} {getattr(args, name)} cannot be combined with "
-                            f"{self.describe()}: its two streams run through every layer of the stack")
+        self.refuse_single_residual_designs(
+            args, "ResiDual's two residual streams share each sublayer output unscaled",
+            "its two streams run through every layer of the stack")
 
     def build_layer(self, layer, index, num_layers):
         layer.resi_dual_first, layer.resi_dual_last = index == 0, index == num_layers - 1
