@@ -22,7 +22,7 @@ from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
 PLACEMENT_NAMES = tuple(PLACEMENTS)
-NEW = ("sandwich", "resi-dual", "b2t", "mix", "hybrid")
+NEW = ("sandwich", "resi-dual", "b2t", "mix", "hybrid", "hyper-connections")
 
 
 def placed(tiny_bin, placement, *flags, seed=1):
