@@ -44,7 +44,7 @@ from fairseq_normplug.modules.norm_registry import FFN
 
 from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
 
-#: the expansion rate of both papers' main experiments (HC: "n = 4"; mHC: n = 4)
+#: the expansion rate n of both papers' main models
 DEFAULT_STREAMS = 4
 #: the reference's init of every dynamic scale (s_alpha, s_beta; mHC's alpha_pre, alpha_res, alpha_post)
 DYNAMIC_SCALE_INIT = 1e-2
