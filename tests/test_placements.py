@@ -22,7 +22,7 @@ from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
 PLACEMENT_NAMES = tuple(PLACEMENTS)
-NEW = ("sandwich", "resi-dual", "b2t", "mix", "hybrid", "siamese", "output-norm")
+NEW = ("sandwich", "resi-dual", "b2t", "mix", "hybrid", "siamese", "output-norm", "hyper-connections")
 
 
 def placed(tiny_bin, placement, *flags, seed=1):
@@ -190,6 +190,8 @@ EXPECTED_NORMS = {
     | layer_names("dec", 2, ["attn_post", "attn_pre", "cross_post", "cross_pre", "ffn_post", "ffn_pre"]),
     "output-norm": layer_names("enc", 2, ["attn_out", "ffn_out"]) | layer_names("dec", 2, ["attn_out", "cross_out", "ffn_out"])
     | {"enc.final", "dec.final"},
+    "hyper-connections": POST | {"enc.final", "dec.final"} | layer_names("enc", 2, ["hc_attn", "hc_ffn"])
+    | layer_names("dec", 2, ["hc_attn", "hc_cross", "hc_ffn"]),
 }
 
 
@@ -223,6 +225,7 @@ INCREMENTAL.update({
     "sandwich-identity-tfixup": ["--norm-placement", "sandwich", "--norm-type", "identity", "--weight-init", "tfixup"],
     "resi-dual-dyisru-xavier": ["--norm-placement", "resi-dual", "--norm-type", "dyisru", "--weight-init", "xavier"],
     "b2t-cross-self-attention": ["--norm-placement", "b2t", "--cross-self-attention"],
+    "mhc-3-rmsnorm": ["--norm-placement", "hyper-connections", "--hc-streams", "3", "--hc-manifold", "--rmsnorm"],
     "pre-qknorm-layerscale-lns": ["--prenorm", "--qknorm", "--qknorm-g0", "3", "--residual-scale", "layerscale",
                                   "--layernorm-scaling"],
 })

@@ -5,6 +5,7 @@ from typing import List
 from torch import nn
 
 from fairseq_normplug.models.norm_placement import named_norms
+from fairseq_normplug.models.placements.hyper_connections import HyperConnection
 from fairseq_normplug.models.placements.normformer import HeadScaledProjection
 from fairseq_normplug.modules.qknorm import HeadNormProjection
 from fairseq_normplug.modules.residual_scale import ResidualScale
@@ -23,8 +24,9 @@ def norm_parameter_names(model: nn.Module) -> List[str]:
        (weight) and beta (bias), Derf's alpha and shift, DyISRU's beta, ...;
     2. the plugin's gains outside the norms: every parameter of a ``--residual-scale``
        module (ReZero's per-sublayer scalars, LayerScale's per-channel diag, shape
-       ``(sublayers, d)``, Admin's omega), QKNorm's scalar ``q_proj.g`` and NormFormer's
-       per-head ``out_proj.head_scale``;
+       ``(sublayers, d)``, Admin's omega), QKNorm's scalar ``q_proj.g``, NormFormer's
+       per-head ``out_proj.head_scale`` and the hyper-connections' static mixing coefficients
+       and scales (``HyperConnection.gains``; their dynamic projections are weight matrices);
     3. every other 0-dim parameter (a learnable scalar), e.g. ``--embed-scale learnable``'s
        ``encoder.embed_scale`` / ``decoder.embed_scale``: stock fairseq has none, so only
        scalar gains/scales can match.
@@ -46,4 +48,6 @@ def norm_parameter_names(model: nn.Module) -> List[str]:
             chosen.add(id(module.g))
         elif isinstance(module, HeadScaledProjection):
             chosen.add(id(module.head_scale))
+        elif isinstance(module, HyperConnection):
+            chosen.update(id(p) for p in module.gains())
     return [name for name, p in model.named_parameters() if id(p) in chosen or p.dim() == 0]

@@ -21,8 +21,9 @@ def add_placement_args(group) -> None:
         help="where the norms of a layer sit and how its residuals add up (F = sublayer): post = "
              "LN(x+F(x)) (default, fairseq's PostNorm), pre = x+F(LN(x)) plus a final norm per stack, "
              "sandwich (Peri-LN), resi-dual (ResiDual), b2t (B2T connection), mix (Mix-LN), hybrid "
-             "(HybridNorm), siamese (SiameseNorm), output-norm = x+LN(F(x)) (OLMo 2), and any registered by "
-             "an extension; formulas and papers: docs/placements.md")
+             "(HybridNorm), siamese (SiameseNorm), output-norm = x+LN(F(x)) (OLMo 2), hyper-connections "
+             "(Hyper-Connections / mHC), and any registered by an extension; formulas and papers: "
+             "docs/placements.md")
     for design in registered_designs():
         design.add_args(group)
 

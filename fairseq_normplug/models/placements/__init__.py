@@ -15,7 +15,8 @@ the lines is the order of the choices).
 from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBLAYER_NORMS, LayerDesign, Modifier,
                                                     Placement, layer_norm_slots, new_norm, register_modifier,
                                                     register_placement, registered_designs, set_final_norm)
-from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b2t, mix, hybrid, siamese, output_norm  # noqa: F401,E402,E501
+from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b2t, mix, hybrid  # noqa: F401,E402
+from fairseq_normplug.models.placements import siamese, output_norm, hyper_connections  # noqa: F401,E402
 from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt  # noqa: F401,E402
 
 

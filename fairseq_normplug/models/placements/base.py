@@ -154,12 +154,11 @@ class Placement(LayerDesign):
         if residual != "none":
             self.refuse(f"--residual-scale {residual} cannot be combined with {self.describe()}: {reason}")
 
-    def refuse_layerdrop(self, args) -> None:
+    def refuse_layerdrop(self, args, reason: str = "its two streams run through every layer of the stack") -> None:
         """Refuse LayerDrop for a placement whose streams must run through every layer."""
         for name in ("encoder_layerdrop", "decoder_layerdrop"):
             if getattr(args, name, 0):
-                self.refuse(f"{flag(name)} {getattr(args, name)} cannot be combined with {self.describe()}: "
-                            f"its two streams run through every layer of the stack")
+                self.refuse(f"{flag(name)} {getattr(args, name)} cannot be combined with {self.describe()}: {reason}")
 
     def refuse_tfixup(self, args) -> None:
         """Refuse ``--weight-init tfixup`` for a placement without single x + F(x) residuals."""
