@@ -15,6 +15,7 @@ from fairseq_normplug.modules.norm_registry import build_norm, norm_args
 from fairseq_normplug.modules.seed_norm import SeeDNorm
 from model_helpers import assert_incremental_matches_full, build, randomized
 from test_beyond import beam_search, toy_sample
+from test_placements import one_backward
 from test_resume import train_in_process
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
@@ -220,6 +221,20 @@ def test_gpas_elsewhere_is_refused_in_one_line(tiny_bin, flags, got):
 def test_gpas_incremental_decoding_equals_the_full_forward(tiny_bin, placement):
     model, task, _ = build(tiny_bin, TINY, *GPAS_PLACEMENTS[placement], "--gpas", "--norm-type", "seednorm")
     assert_incremental_matches_full(model, task)
+
+
+def test_gpas_with_checkpoint_activations_gives_the_same_gradients(tiny_bin):
+    """--checkpoint-activations re-runs the layers' forward in backward: same gradients, gates included."""
+    flags = [*GPAS_PLACEMENTS["deepnorm"], "--gpas"]
+    plain, task, _ = build(tiny_bin, TINY, *flags, seed=7)
+    wrapped, _, _ = build(tiny_bin, TINY, *flags, "--checkpoint-activations", seed=7)
+    for model in (plain, wrapped):
+        with torch.no_grad():
+            for layer in (*model.encoder.layers, *model.decoder.layers):
+                layer.gpas.gate.fill_(0.5)
+    expected, grads = one_backward(plain, task), one_backward(wrapped, task)
+    assert grads.keys() == expected.keys() and grads["encoder.layers.0.gpas.gate"].abs() > 0
+    assert all(torch.allclose(grads[name], expected[name], atol=1e-6) for name in grads)
 
 
 # ---- 20 updates of fairseq-train, then beam search -------------------------------------------
