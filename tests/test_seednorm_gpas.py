@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from fairseq import checkpoint_utils
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.placements.gpas import GPASGate, GPASLayer
 from fairseq_normplug.modules.norm_registry import build_norm, norm_args
 from fairseq_normplug.modules.seed_norm import SeeDNorm
@@ -187,6 +188,7 @@ def test_gpas_model_gradient_matches_the_model_without_gpas_at_gate_zero(tiny_bi
     model, _, _ = build(tiny_bin, TINY, "--prenorm", "--gpas", seed=6)
     extra = sorted(set(dict(model.named_parameters())) - set(dict(plain.named_parameters())))
     assert extra == [f"{stack}.layers.{i}.gpas.gate" for stack in ("decoder", "encoder") for i in range(2)]
+    assert set(extra) <= set(norm_parameter_names(model))  # a learnable scalar: --norm-weight-decay's group
     sample = toy_sample(task)
     outputs = []
     for m in (plain, model):
