@@ -136,7 +136,6 @@ class TransformerNormplugModel(TransformerModel):
             BUILDING_LAYER_PLAN.reset(building)
         install_norms(model, args)
         apply_model_init(model, settings.weight_init)
-        layer_plan.finish_model(model)  # b2t: the authors' rescaled init; --layernorm-scaling's hooks
         if output.output_bias:
             add_output_bias(model.decoder)
         if output.target_vocab_mask:
@@ -145,6 +144,8 @@ class TransformerNormplugModel(TransformerModel):
             constants = deepnorm_constants(len(model.encoder.layers), len(model.decoder.layers))
             apply_deepnorm_init(model, constants["encoder_beta"], constants["decoder_beta"])
         install_residual_scale(model, beyond.residual_scale)
+        # b2t: the authors' rescaled init; --layernorm-scaling's hooks; --gpas wraps the residual scale
+        layer_plan.finish_model(model)
         if beyond.qknorm:
             install_qknorm(model, g0)
         if beyond.embed_scale == "learnable":

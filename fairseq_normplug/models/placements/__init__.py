@@ -1,5 +1,5 @@
 """Where the norms of a Transformer layer sit and how its residuals add up (``--norm-placement``),
-and the modifiers on top of a placement (``--normformer``, ``--layernorm-scaling``).
+and the modifiers on top of a placement (``--normformer``, ``--layernorm-scaling``, ``--gpas``).
 
 Each placement and modifier is one class in one file here, registered by name with
 :func:`register_placement` / :func:`register_modifier` (``base.py`` documents the interface:
@@ -17,7 +17,7 @@ from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBL
                                                     register_placement, registered_designs, set_final_norm)
 from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b2t, mix, hybrid  # noqa: F401,E402
 from fairseq_normplug.models.placements import siamese, output_norm, hyper_connections  # noqa: F401,E402
-from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt  # noqa: F401,E402
+from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt, gpas  # noqa: F401,E402
 
 
 def placement_label(name: str, modifiers=()) -> str:

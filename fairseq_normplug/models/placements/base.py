@@ -25,7 +25,7 @@ A :class:`Placement` subclass may define (every member is optional):
   returns the layer's output; ``layer.norm(kind)`` is fairseq's norm of that sublayer,
   ``layer.dropout_module`` and ``layer.residual_connection`` fairseq's dropout and residual
   hook. With ``stock_forward = True`` the layers keep fairseq's own forward instead;
-* ``finish_model(model)``: a last step once every norm has its type and ``--weight-init`` was
+* ``finish_model(model)``: a last step once every norm has its type, ``--weight-init`` was
   applied (the authors' own init, hooks on the final norm modules);
 * ``keeps_final_norm`` (refuse ``--no-decoder-final-norm``), ``pure_postnorm`` (DeepNorm and
   Admin accept it), ``label`` (the results tables' label; default the name).
