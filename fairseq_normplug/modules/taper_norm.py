@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.modules.auto_init import _sum_over_ranks
 from fairseq_normplug.modules.float32_params import HALF_DTYPES
 from fairseq_normplug.modules.fused import upcast
 from fairseq_normplug.modules.identity_norm import IdentityNorm
@@ -107,21 +108,20 @@ class TaperNorm(FormulaNorm):
         if self.tapers:
             self.gate.fill_(taper_gate(num_updates, self.start, self.end))
 
-    def formula(self, x, weight, bias, gate=None, inv_std=None):
+    def formula(self, x, weight, bias):
         """g LN(x) + (1 - g) (gamma s x + beta), in the dtype of ``x``."""
-        gate = self.gate if gate is None else gate
-        inv_std = self.inv_std if inv_std is None else inv_std
         normed = F.layer_norm(x, (self.dim,), weight, bias, TAPER_EPS)
-        fixed = torch.addcmul(bias, x * inv_std.to(x.dtype), weight)
-        g = gate.to(x.dtype)
+        fixed = torch.addcmul(bias, x * self.inv_std.to(x.dtype), weight)
+        g = self.gate.to(x.dtype)
         return g * normed + (1 - g) * fixed
 
     def calibrate(self, x: torch.Tensor) -> None:
-        """One EMA step of ``s`` towards 1 / (mean std of the tokens of ``x``); the first
-        batch sets it."""
+        """One EMA step of ``s`` towards 1 / (mean std of the tokens of ``x``, averaged over
+        the data-parallel ranks, so that every rank keeps the same ``s``); the first batch sets it."""
         with torch.no_grad():
             std = torch.sqrt(x.var(-1, unbiased=False) + TAPER_EPS).mean()
-            value = 1.0 / std
+            ranks = _sum_over_ranks(std)
+            value = ranks / std
             ema = TAPER_EMA_DECAY * self.inv_std + (1 - TAPER_EMA_DECAY) * value
             self.inv_std.copy_(torch.where(self.inv_std > 0, ema, value))
 
