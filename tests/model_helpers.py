@@ -15,6 +15,15 @@ def parse_args(data_bin, arch, *flags, task="translation"):
     return options.parse_args_and_arch(parser, argv)
 
 
+#: the flags a norm type cannot be built without, for the tests that loop over every norm type
+REQUIRED_NORM_FLAGS = {"tapernorm": ("--taper-updates", "1", "2")}
+
+
+def norm_type_flags(norm_type):
+    """``--norm-type norm_type`` and the flags it requires (:data:`REQUIRED_NORM_FLAGS`)."""
+    return ["--norm-type", norm_type, *REQUIRED_NORM_FLAGS.get(norm_type, ())]
+
+
 def build(data_bin, arch, *flags, seed=1, task="translation"):
     """(model, task, args) built exactly as fairseq-train builds them, with a fixed seed."""
     args = parse_args(data_bin, arch, *flags, task=task)

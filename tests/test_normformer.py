@@ -19,7 +19,7 @@ from fairseq_normplug.models.placements.normformer import HeadScaledProjection
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.qknorm import HeadNormProjection
 from model_helpers import (assert_incremental_matches_full, assert_training_steps_reach_every_parameter, build,
-                           parse_args, randomized, toy_batch)
+                           norm_type_flags, parse_args, randomized, toy_batch)
 from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, FFN 128, 2 heads (d_k 32), 2+2 layers
@@ -131,7 +131,7 @@ NORMFORMER_NORMS = PRE | layer_names("enc", 2, ["attn_inner", "ffn_inner"]) | la
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
 def test_norm_count_place_width_and_type(tiny_bin, norm_type):
-    model, task, _ = build(tiny_bin, TINY, *NF, "--norm-type", norm_type)
+    model, task, _ = build(tiny_bin, TINY, *NF, *norm_type_flags(norm_type))
     norms = named_norms(model)
     assert set(norms) == NORMFORMER_NORMS
     layer = model.decoder.layers[1]

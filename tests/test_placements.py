@@ -17,7 +17,7 @@ from fairseq_normplug.models.placements.mix import post_layers
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from model_helpers import (assert_incremental_matches_full, assert_same_model, assert_training_steps_reach_every_parameter,
-                           build, parse_args, randomized, toy_batch)
+                           build, norm_type_flags, parse_args, randomized, toy_batch)
 from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
@@ -416,7 +416,7 @@ def one_backward(model, task, seed=0):
 @pytest.mark.parametrize("design", list(DESIGNS))
 def test_every_norm_type_is_finite_decodes_incrementally_and_trains_every_parameter(tiny_bin, design):
     for norm_type in NORM_TYPES:
-        model, task, _ = build(tiny_bin, TINY, *DESIGNS[design], "--norm-type", norm_type)
+        model, task, _ = build(tiny_bin, TINY, *DESIGNS[design], *norm_type_flags(norm_type))
         assert_incremental_matches_full(model, task)  # also: finite
         grads = one_backward(model, task)
         missing = [name for name, grad in grads.items() if grad is None]

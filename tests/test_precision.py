@@ -17,7 +17,7 @@ from fairseq_normplug.modules.dyisru import DyISRU
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.scale_norm import ScaleNorm, scale_norm_reference
-from model_helpers import build, parse_args, toy_batch
+from model_helpers import build, norm_type_flags, parse_args, toy_batch
 from test_cli import TRAIN_COMMON, USER_DIR, log_records
 
 TINY = "transformer_normplug_tiny"
@@ -28,7 +28,7 @@ AGREEMENT = {torch.float16: 0.05, torch.bfloat16: 0.3}
 
 
 def combination_model(tiny_bin, placement, norm_type, fixnorm):
-    flags = [placement, "--norm-type", norm_type, "--share-decoder-input-output-embed"]
+    flags = [placement, *norm_type_flags(norm_type), "--share-decoder-input-output-embed"]
     return build(tiny_bin, TINY, *flags, *(["--fixnorm"] if fixnorm else []))
 
 

@@ -334,7 +334,8 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
 def main(argv=None) -> dict:
     parser = checkpoint_parser("convert_norms.sh", __doc__)
     parser.add_argument("out", help="output checkpoint path")
-    parser.add_argument("--to", default="dyt", help=f"target norm type: {', '.join(fitting.TARGETS)} (default dyt)")
+    parser.add_argument("--to", default="dyt", help=f"target norm type: {', '.join(fitting.TARGETS)} (default dyt), "
+                                                    f"or folded (a TaperNorm model at gate 0: diagnostics/fold.py)")
     parser.add_argument("--finetune-updates", type=int, default=0, metavar="N",
                         help="fine-tune the converted model N updates afterwards (default 0: none)")
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="its constant lr (default 1e-4)")
@@ -354,6 +355,10 @@ def main(argv=None) -> dict:
                         help="dev BLEU length penalty (0.6)")
     args = parser.parse_args(argv)
     try:
+        if args.to == "folded":
+            from fairseq_normplug.diagnostics import fold
+            return fold.fold_checkpoint(args.checkpoint, args.data, args.out,
+                                        {"beam": args.beam, "lenpen": args.lenpen})
         if args.keep_gamma and args.affine not in (None, "keep"):
             raise NormplugError(f"--keep-gamma contradicts --affine {args.affine}; pass one of them")
         report = convert(args.checkpoint, args.data, args.out, args.to, args.finetune_updates,

@@ -1,0 +1,138 @@
+"""``scripts/convert_norms.sh CKPT DATA OUT --to folded``: a TaperNorm model whose gate is 0
+(``modules/taper_norm.py``) written as a checkpoint whose tapered norms are folded into the
+linear layers they feed.
+
+At g = 0 each tapered norm is the fixed map ``A(x) = a * x + b`` (a = gamma s, b = beta), and
+a linear layer after it computes ``W A(x) + c = (W diag(a)) x + (W b + c)``: an exact rewrite
+of its weight and bias (computed in float64). With PreNorm every tapered norm feeds only
+linear layers:
+
+- a layer's self-attention norm -> that layer's q, k and v projections;
+- a decoder layer's cross-attention norm -> its cross-attention q projection;
+- a layer's FFN norm -> its fc1;
+- the encoder's final norm -> every decoder layer's cross-attention k and v projections.
+
+The decoder's final norm was never tapered (the paper keeps the output norm as the scale
+anchor, ``taper_norm.py``) and stays: a TaperNorm with ``tapers=False``, exactly LayerNorm. Every other norm slot of OUT holds a
+parameter-free placeholder (``IdentityNorm``: output = input, no parameters, no buffers, no
+statistics), because fairseq's layer calls its norm attributes; the stored configuration says
+``taper_folded``, which builds them. A checkpoint whose gate is not 0 yet, a placement other
+than PreNorm (PostNorm puts a norm's output into the residual stream, where no linear layer can
+absorb it) and modifiers that change what the norms feed are refused in one line.
+"""
+import copy
+from typing import Dict, List, Tuple
+
+import torch
+
+from fairseq_normplug.diagnostics.convert import converted_state, save_checkpoint
+from fairseq_normplug.diagnostics.loading import DEFAULT_GENERATION, dev_translations, load_checkpoint, resolve_data
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_placement import named_norms, norm_slots
+from fairseq_normplug.modules.identity_norm import IdentityNorm
+from fairseq_normplug.modules.taper_norm import TaperNorm
+
+#: flags that change what a PreNorm norm feeds, so the fold would not be exact
+UNFOLDABLE_FLAGS = ("qknorm", "normformer", "layernorm_scaling", "cross_self_attention", "layernorm_embedding")
+
+
+def fold_affine_into_linear(linear: torch.nn.Linear, scale: torch.Tensor, shift: torch.Tensor) -> None:
+    """Make ``linear(x)`` compute what ``linear(scale * x + shift)`` computed: W <- W diag(scale),
+    bias <- bias + W shift (float64 arithmetic, stored in the layer's dtype)."""
+    with torch.no_grad():
+        weight = linear.weight.double()
+        bias = weight @ shift.double()
+        if linear.bias is not None:
+            bias = bias + linear.bias.double()
+        else:
+            linear.bias = torch.nn.Parameter(torch.zeros_like(linear.weight[:, 0]))
+        linear.bias.copy_(bias.to(linear.bias.dtype))
+        linear.weight.copy_((weight * scale.double()[None, :]).to(linear.weight.dtype))
+
+
+def fold_targets(model, name: str) -> List[torch.nn.Linear]:
+    """The linear layers that read the norm ``name`` (``enc0.attn``, ``dec1.cross``, ``enc.final``)."""
+    if name == "enc.final":
+        return [proj for layer in model.decoder.layers for proj in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)]
+    stack = model.encoder if name.startswith("enc") else model.decoder
+    index, short = name[3:].split(".")
+    layer = stack.layers[int(index)]
+    if short == "attn":
+        return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+    if short == "cross":
+        return [layer.encoder_attn.q_proj]
+    if short == "ffn":
+        return [layer.fc1]
+    raise NormplugError(f"the norm {name} feeds no linear layer the fold knows")
+
+
+def check_foldable(model, model_cfg, path: str) -> None:
+    """One-line refusals: not TaperNorm, not PreNorm, a modifier, or a gate that is not 0."""
+    if getattr(model_cfg, "norm_type", None) != "tapernorm" or getattr(model_cfg, "taper_folded", False):
+        what = "is folded already" if getattr(model_cfg, "taper_folded", False) else \
+            f"has --norm-type {getattr(model_cfg, 'norm_type', None) or 'layernorm'}"
+        raise NormplugError(f"{path} {what}; --to folded takes a --norm-type tapernorm checkpoint")
+    placement = getattr(model_cfg, "norm_placement", None) or "pre"
+    if placement != "pre":
+        raise NormplugError(f"{path} has --norm-placement {placement}; --to folded needs pre (a norm output "
+                            f"in the residual stream cannot be folded into a linear layer)")
+    given = [flag for flag in UNFOLDABLE_FLAGS if getattr(model_cfg, flag, False)]
+    if given:
+        raise NormplugError(f"{path} has --{given[0].replace('_', '-')}, which changes what the norms feed; "
+                            f"--to folded takes plain PreNorm")
+    gates = {float(norm.gate) for norm in named_norms(model).values() if isinstance(norm, TaperNorm) and norm.tapers}
+    if gates != {0.0}:
+        raise NormplugError(f"{path}: the TaperNorm gate is {max(gates):.4g}, not 0 yet (it reaches 0 at "
+                            f"update {model_cfg.taper_updates[1]}); train until then before --to folded")
+
+
+def fold_model(model) -> Tuple[torch.nn.Module, Dict[str, int]]:
+    """A copy of ``model`` with every TaperNorm folded into its linear layers and replaced by
+    a placeholder; {norm name: how many linear layers absorbed it}."""
+    folded = copy.deepcopy(model)
+    absorbed = {}
+    for owner, attr, _, name in list(norm_slots(folded)):
+        norm = getattr(owner, attr)
+        if not (isinstance(norm, TaperNorm) and norm.tapers):
+            continue
+        scale, shift = norm.affine_map()
+        targets = fold_targets(folded, name)
+        for linear in targets:
+            fold_affine_into_linear(linear, scale.detach(), shift.detach())
+        setattr(owner, attr, IdentityNorm(norm.dim))
+        absorbed[name] = len(targets)
+    return folded, absorbed
+
+
+def _set_model_cfg(state: dict, **values) -> None:
+    model_cfg = state["cfg"]["model"]
+    for key, value in values.items():
+        if isinstance(model_cfg, dict):
+            model_cfg[key] = value
+        else:
+            setattr(model_cfg, key, value)
+
+
+def fold_checkpoint(checkpoint: str, data_dir: str, out: str, generation=None, echo=print) -> dict:
+    """Fold, save OUT, reload it and check that it decodes the dev set as the input does;
+    returns {"folded": {norm: linear layers}, "remaining_norms": [...], "hypotheses_equal": bool}."""
+    resolve_data(data_dir)
+    loaded = load_checkpoint(checkpoint, data_dir)
+    check_foldable(loaded.model, loaded.cfg.model, checkpoint)
+    folded, absorbed = fold_model(loaded.model)
+    state = converted_state(loaded, folded, "tapernorm")
+    _set_model_cfg(state, taper_folded=True)
+    save_checkpoint(state, out)
+    reloaded = load_checkpoint(out, data_dir)
+    settings = {**DEFAULT_GENERATION, **(generation or {})}
+    before, _ = dev_translations(loaded.model, loaded.task, loaded.bpe, settings)
+    after, _ = dev_translations(reloaded.model, reloaded.task, reloaded.bpe, settings)
+    remaining = sorted(name for name, norm in named_norms(reloaded.model).items() if not isinstance(norm, IdentityNorm))
+    report = {"folded": absorbed, "remaining_norms": remaining,
+              "hypotheses_equal": before == after, "sentences": len(before)}
+    echo(f"[convert] folded {len(absorbed)} TaperNorms into {sum(absorbed.values())} linear layers; "
+         f"remaining norm(s): {', '.join(remaining) or 'none'}; dev hypotheses "
+         f"{'identical' if before == after else 'DIFFER'} ({len(before)} sentences); wrote {out}")
+    if before != after:
+        raise NormplugError(f"the folded model decodes differently from {checkpoint}; {out} is not exact")
+    return report
