@@ -440,3 +440,52 @@ def test_bad_calibration_choices_one_line(trained, tiny_bin, tmp_path):
         text = str(exit_info.value)
         assert text.startswith("convert_norms.sh: error: ") and message in text and "\n" not in text, text
     assert not os.path.exists(out)
+
+
+def test_removal_by_fine_tuning_keeps_postnorm_norms_as_fixed_affine_maps(trained, tiny_bin, tmp_path):
+    """--to none (remove_norms.py) on the trained PostNorm fixture: one norm removed per update
+    from update 1 (FFN norms first), 6 more updates after the last; nothing is folded."""
+    out = str(tmp_path / "none.pt")
+    report = convert.main([trained, tiny_bin, out, "--to", "none", "--removal-every", "1", "--removal-start", "1",
+                           "--calibration-tokens", "2000", "--beam", "1"])
+    before, naive, finetuned = report["stages"]
+    assert [stage["stage"] for stage in report["stages"]] == [
+        "before removal (LayerNorm)", "naive removal (std -> its average c, no fine-tune)",
+        "fine-tuned removal (16 updates)"]
+    assert naive["loss"] > before["loss"] and finetuned["loss"] < naive["loss"]
+    assert all(math.isfinite(stage["bleu"]) for stage in report["stages"])
+    ffn = [site for site in SITES if site.endswith(".ffn")]
+    assert list(report["schedule"]) == ffn + [site for site in SITES if site not in ffn]
+    assert list(report["schedule"].values()) == list(range(1, 11)) and report["finetune"]["updates"] == 16
+    assert not report["folded"] and report["folded_sites"] == []
+    assert report["not_folded_reason"] == "not PreNorm: each norm's output is the residual stream"
+    [model], cfg, _ = checkpoint_utils.load_model_ensemble_and_task([out], arg_overrides={"data": tiny_bin})
+    assert cfg.model.norm_type == "layernorm-fixed-std" and not cfg.model.fixed_std_folded
+    norms = named_norms(model)
+    assert sorted(norms) == sorted(SITES)
+    for site, norm in norms.items():
+        assert norm.uses_fixed_std and float(norm.fixed_std) == pytest.approx(report["stds"][site], rel=1e-6)
+    json_path, md_path, finetune_dir = convert.report_paths(out)
+    assert json.load(open(json_path))["stages"] == report["stages"]
+    assert "| enc0.ffn |" in open(md_path).read() and os.path.isfile(os.path.join(finetune_dir, "train.log"))
+    start = torch.load(f"{finetune_dir}.start.pt", weights_only=False)
+    assert int(start["model"]["encoder.layers.0.final_layer_norm.removal_update"]) == 1
+    assert not bool(start["model"]["encoder.layers.0.final_layer_norm.removed"])
+
+
+def test_removal_refusals_one_line(trained, converted, tiny_bin, tmp_path):
+    out = str(tmp_path / "out.pt")
+    cases = [
+        ([converted[0], tiny_bin, out, "--to", "none"], "has no LayerNorm to convert"),
+        ([trained, tiny_bin, out, "--to", "none", "--affine", "joint"], "--affine applies to --to dyt|derf, not --to none"),
+        ([trained, tiny_bin, out, "--removal-every", "2"], "--removal-every applies to --to none, not --to dyt"),
+        ([trained, tiny_bin, out, "--to", "none", "--removal-every", "0"], "--removal-every and --removal-start must be >= 1"),
+        ([trained, tiny_bin, out, "--to", "none", "--finetune-updates", "5", "--calibration-tokens", "500"],
+         "--finetune-updates 5 ends before the last of the 10 norms is removed \\(after update 100\\)"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            convert.main(argv)
+        text = str(exit_info.value)
+        assert text.startswith("convert_norms.sh: error: ") and "\n" not in text and re.search(message, text), text
+    assert not os.path.exists(out)
