@@ -279,7 +279,7 @@ def test_bad_input_one_line_each(trained, converted, tiny_bin, tmp_path):
         ([converted[0], tiny_bin, out], "has no LayerNorm to convert \\(its norms: DynamicTanh\\)"),
         ([trained, str(mismatched), out], "other_dict does not match .*: its source dictionary has"),
         ([trained, str(tmp_path), out], "is not a binarized data folder"),
-        ([trained, tiny_bin, out, "--to", "erf"], "unknown conversion target --to 'erf'; choose from dyt, derf"),
+        ([trained, tiny_bin, out, "--to", "erf"], "unknown conversion target --to 'erf'; choose from dyt, derf, none$"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -471,6 +471,7 @@ def test_removal_by_fine_tuning_keeps_postnorm_norms_as_fixed_affine_maps(traine
     start = torch.load(f"{finetune_dir}.start.pt", weights_only=False)
     assert int(start["model"]["encoder.layers.0.final_layer_norm.removal_update"]) == 1
     assert not bool(start["model"]["encoder.layers.0.final_layer_norm.removed"])
+    assert start["optimizer_history"][-1]["num_updates"] == 0  # else the trainer's load switches them all
 
 
 def test_removal_refusals_one_line(trained, converted, tiny_bin, tmp_path):

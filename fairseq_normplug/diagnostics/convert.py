@@ -81,6 +81,15 @@ def layer_norm_sites(loaded: LoadedCheckpoint) -> List[str]:
     return sites
 
 
+def load_layer_norm_model(checkpoint: str, data_dir: str, out: str):
+    """(loaded checkpoint, its LayerNorm sites), after the one-line checks of OUT and DATA."""
+    if os.path.abspath(out) == os.path.abspath(checkpoint):
+        raise NormplugError(f"OUT {out} is the input checkpoint; choose another path")
+    resolve_data(data_dir)
+    loaded = load_checkpoint(checkpoint, data_dir)
+    return loaded, layer_norm_sites(loaded)
+
+
 def replace_norms(model, make) -> Dict[str, object]:
     """A copy of ``model`` whose norm at each site is ``make(site, old norm)``."""
     converted = copy.deepcopy(model)
@@ -300,12 +309,8 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
     if finetune_updates < 0 or calibration_tokens <= 0:
         raise NormplugError(f"--finetune-updates must be >= 0 and --calibration-tokens > 0, got "
                             f"{finetune_updates} and {calibration_tokens}")
-    if os.path.abspath(out) == os.path.abspath(checkpoint):
-        raise NormplugError(f"OUT {out} is the input checkpoint; choose another path")
-    resolve_data(data_dir)
     started = time.time()
-    loaded = load_checkpoint(checkpoint, data_dir)
-    sites = layer_norm_sites(loaded)
+    loaded, sites = load_layer_norm_model(checkpoint, data_dir, out)
     task = loaded.task
     generation = {**DEFAULT_GENERATION, **(generation or {})}
     evaluate = stage_evaluator(loaded, generation, echo)
@@ -383,6 +388,9 @@ def main(argv=None) -> dict:
                         help="dev BLEU length penalty (0.6)")
     args = parser.parse_args(argv)
     try:
+        if args.to not in (*fitting.TARGETS, "none"):
+            raise NormplugError(f"unknown conversion target --to {args.to!r}; choose from "
+                                f"{', '.join(fitting.TARGETS)}, none")
         if args.to == "none":
             return removal_main(args)
         given = [flag for flag, value in (("--removal-every", args.removal_every),

@@ -34,7 +34,6 @@ naive removal and after the fine-tuned removal (OUT as fairseq loads it), with e
 ``c``, its removal update and whether it was folded.
 """
 import copy
-import os
 import time
 from typing import Dict, List, Optional
 
@@ -43,7 +42,7 @@ from torch import nn
 
 from fairseq_normplug.diagnostics import convert
 from fairseq_normplug.diagnostics.loading import (
-    DEFAULT_GENERATION, LoadedCheckpoint, batches, collect_norm_activations, load_checkpoint, resolve_data,
+    DEFAULT_GENERATION, LoadedCheckpoint, batches, collect_norm_activations, load_checkpoint,
 )
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
@@ -182,12 +181,8 @@ def remove(checkpoint: str, data_dir: str, out: str, finetune_updates: int = 0, 
         raise NormplugError(f"--removal-every and --removal-start must be >= 1, --finetune-updates >= 0 and "
                             f"--calibration-tokens > 0, got {removal_every}, {removal_start}, "
                             f"{finetune_updates} and {calibration_tokens}")
-    if os.path.abspath(out) == os.path.abspath(checkpoint):
-        raise NormplugError(f"OUT {out} is the input checkpoint; choose another path")
-    resolve_data(data_dir)
     started = time.time()
-    loaded = load_checkpoint(checkpoint, data_dir)
-    sites = convert.layer_norm_sites(loaded)
+    loaded, sites = convert.load_layer_norm_model(checkpoint, data_dir, out)
     samples = list(batches(loaded.task, "train", convert.CALIBRATION_BATCH_TOKENS, limit_tokens=calibration_tokens))
     order = removal_order(convert.forward_order(loaded.model, samples))
     schedule = removal_schedule(order, removal_start, removal_every)
