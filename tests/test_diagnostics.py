@@ -490,3 +490,29 @@ def test_removal_refusals_one_line(trained, converted, tiny_bin, tmp_path):
         text = str(exit_info.value)
         assert text.startswith("convert_norms.sh: error: ") and "\n" not in text and re.search(message, text), text
     assert not os.path.exists(out)
+
+
+def test_removal_folds_a_prenorm_model(tiny_bin, tmp_path):
+    """--to none on a PreNorm model (5 updates: only the folding path is under test): OUT has
+    identities at the folded sites, the decoder's final norm is the fixed affine map, and OUT
+    gives the fine-tuned fixed-std model's dev loss."""
+    save_dir = tmp_path / "prenorm"
+    run_cli([cli("fairseq-train"), tiny_bin, *TINY_STOCK, "--encoder-normalize-before", "--decoder-normalize-before",
+             "--cpu", "--num-workers", "0", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "1000",
+             "--max-update", "5", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(save_dir),
+             "--seed", "1"], env={"OMP_NUM_THREADS": "1"})
+    out = str(tmp_path / "folded.pt")
+    report = convert.main([str(save_dir / "checkpoint_last.pt"), tiny_bin, out, "--to", "none",
+                           "--removal-every", "1", "--removal-start", "1", "--calibration-tokens", "1000",
+                           "--finetune-updates", "13", "--beam", "1"])
+    assert report["folded"] and report["not_folded_reason"] is None
+    assert report["stages"][-1]["stage"] == "fine-tuned removal (13 updates, folded)"
+    assert set(report["folded_sites"]) == set(report["stds"]) - {"dec.final"}
+    loaded = load_checkpoint(out, tiny_bin)
+    assert loaded.cfg.model.fixed_std_folded and loaded.cfg.model.norm_type == "layernorm-fixed-std"
+    kinds = {name: type(norm).__name__ for name, norm in named_norms(loaded.model).items()}
+    assert kinds.pop("dec.final") == "FixedStdLayerNorm" and set(kinds.values()) == {"IdentityNorm"}
+    unfolded = load_checkpoint(report["finetuned"], tiny_bin)
+    criterion = unfolded.task.build_criterion(unfolded.cfg.criterion)
+    assert dev_loss(loaded.model, loaded.task, criterion)["loss"] == pytest.approx(
+        dev_loss(unfolded.model, unfolded.task, criterion)["loss"], abs=1e-4)
