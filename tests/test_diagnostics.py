@@ -279,7 +279,7 @@ def test_bad_input_one_line_each(trained, converted, tiny_bin, tmp_path):
         ([converted[0], tiny_bin, out], "has no LayerNorm to convert \\(its norms: DynamicTanh\\)"),
         ([trained, str(mismatched), out], "other_dict does not match .*: its source dictionary has"),
         ([trained, str(tmp_path), out], "is not a binarized data folder"),
-        ([trained, tiny_bin, out, "--to", "erf"], "unknown conversion target --to 'erf'; choose from dyt, derf"),
+        ([trained, tiny_bin, out, "--to", "erf"], "unknown conversion target --to 'erf'; choose from dyt, derf, folded, none$"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -440,3 +440,79 @@ def test_bad_calibration_choices_one_line(trained, tiny_bin, tmp_path):
         text = str(exit_info.value)
         assert text.startswith("convert_norms.sh: error: ") and message in text and "\n" not in text, text
     assert not os.path.exists(out)
+
+
+def test_removal_by_fine_tuning_keeps_postnorm_norms_as_fixed_affine_maps(trained, tiny_bin, tmp_path):
+    """--to none (remove_norms.py) on the trained PostNorm fixture: one norm removed per update
+    from update 1 (FFN norms first), 6 more updates after the last; nothing is folded."""
+    out = str(tmp_path / "none.pt")
+    report = convert.main([trained, tiny_bin, out, "--to", "none", "--removal-every", "1", "--removal-start", "1",
+                           "--calibration-tokens", "2000", "--beam", "1"])
+    before, naive, finetuned = report["stages"]
+    assert [stage["stage"] for stage in report["stages"]] == [
+        "before removal (LayerNorm)", "naive removal (std -> its average c, no fine-tune)",
+        "fine-tuned removal (16 updates)"]
+    assert naive["loss"] > before["loss"] and finetuned["loss"] < naive["loss"]
+    assert all(math.isfinite(stage["bleu"]) for stage in report["stages"])
+    ffn = [site for site in SITES if site.endswith(".ffn")]
+    assert list(report["schedule"]) == ffn + [site for site in SITES if site not in ffn]
+    assert list(report["schedule"].values()) == list(range(1, 11)) and report["finetune"]["updates"] == 16
+    assert not report["folded"] and report["folded_sites"] == []
+    assert report["not_folded_reason"] == "not PreNorm: each norm's output is the residual stream"
+    [model], cfg, _ = checkpoint_utils.load_model_ensemble_and_task([out], arg_overrides={"data": tiny_bin})
+    assert cfg.model.norm_type == "layernorm-fixed-std" and not cfg.model.fixed_std_folded
+    norms = named_norms(model)
+    assert sorted(norms) == sorted(SITES)
+    for site, norm in norms.items():
+        assert norm.uses_fixed_std and float(norm.fixed_std) == pytest.approx(report["stds"][site], rel=1e-6)
+    json_path, md_path, finetune_dir = convert.report_paths(out)
+    assert json.load(open(json_path))["stages"] == report["stages"]
+    assert "| enc0.ffn |" in open(md_path).read() and os.path.isfile(os.path.join(finetune_dir, "train.log"))
+    start = torch.load(f"{finetune_dir}.start.pt", weights_only=False)
+    assert int(start["model"]["encoder.layers.0.final_layer_norm.removal_update"]) == 1
+    assert not bool(start["model"]["encoder.layers.0.final_layer_norm.removed"])
+    assert start["optimizer_history"][-1]["num_updates"] == 0  # else the trainer's load switches them all
+
+
+def test_removal_refusals_one_line(trained, converted, tiny_bin, tmp_path):
+    out = str(tmp_path / "out.pt")
+    cases = [
+        ([converted[0], tiny_bin, out, "--to", "none"], "has no LayerNorm to convert"),
+        ([trained, tiny_bin, out, "--to", "none", "--affine", "joint"], "--affine applies to --to dyt|derf, not --to none"),
+        ([trained, tiny_bin, out, "--removal-every", "2"], "--removal-every applies to --to none, not --to dyt"),
+        ([trained, tiny_bin, out, "--to", "none", "--removal-every", "0"], "--removal-every and --removal-start must be >= 1"),
+        ([trained, tiny_bin, out, "--to", "none", "--finetune-updates", "5", "--calibration-tokens", "500"],
+         "--finetune-updates 5 ends before the last of the 10 norms is removed \\(after update 100\\)"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            convert.main(argv)
+        text = str(exit_info.value)
+        assert text.startswith("convert_norms.sh: error: ") and "\n" not in text and re.search(message, text), text
+    assert not os.path.exists(out)
+
+
+def test_removal_folds_a_prenorm_model(tiny_bin, tmp_path):
+    """--to none on a PreNorm model (5 updates: only the folding path is under test): OUT has
+    identities at the folded sites, the decoder's final norm is the fixed affine map, and OUT
+    gives the fine-tuned fixed-std model's dev loss."""
+    save_dir = tmp_path / "prenorm"
+    run_cli([cli("fairseq-train"), tiny_bin, *TINY_STOCK, "--encoder-normalize-before", "--decoder-normalize-before",
+             "--cpu", "--num-workers", "0", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "1000",
+             "--max-update", "5", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(save_dir),
+             "--seed", "1"], env={"OMP_NUM_THREADS": "1"})
+    out = str(tmp_path / "folded.pt")
+    report = convert.main([str(save_dir / "checkpoint_last.pt"), tiny_bin, out, "--to", "none",
+                           "--removal-every", "1", "--removal-start", "1", "--calibration-tokens", "1000",
+                           "--finetune-updates", "13", "--beam", "1"])
+    assert report["folded"] and report["not_folded_reason"] is None
+    assert report["stages"][-1]["stage"] == "fine-tuned removal (13 updates, folded)"
+    assert set(report["folded_sites"]) == set(report["stds"]) - {"dec.final"}
+    loaded = load_checkpoint(out, tiny_bin)
+    assert loaded.cfg.model.fixed_std_folded and loaded.cfg.model.norm_type == "layernorm-fixed-std"
+    kinds = {name: type(norm).__name__ for name, norm in named_norms(loaded.model).items()}
+    assert kinds.pop("dec.final") == "FixedStdLayerNorm" and set(kinds.values()) == {"IdentityNorm"}
+    unfolded = load_checkpoint(report["finetuned"], tiny_bin)
+    criterion = unfolded.task.build_criterion(unfolded.cfg.criterion)
+    assert dev_loss(loaded.model, loaded.task, criterion)["loss"] == pytest.approx(
+        dev_loss(unfolded.model, unfolded.task, criterion)["loss"], abs=1e-4)

@@ -128,14 +128,16 @@ def test_gradcheck_float64(make):
 
 @pytest.mark.parametrize("norm_type,count", [("layernorm", 2 * D), ("scalenorm", 1), ("rmsnorm", D),
                                              ("dyt", 2 * D + 1), ("derf", 2 * D + 2),
-                                             ("dyisru", D + 1), ("seednorm", 3 * D), ("identity", 0)])
+                                             ("dyisru", D + 1), ("seednorm", 3 * D), ("identity", 0),
+                                             ("layernorm-fixed-std", 2 * D)])
 def test_parameter_counts(norm_type, count):
     norm = build_norm(norm_args(norm_type), D)
     assert sum(p.numel() for p in norm.parameters()) == count
 
 
 def test_registry_types_and_roles():
-    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "dyisru", "seednorm", "identity", "tapernorm"}
+    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "dyisru", "seednorm", "identity",
+                               "tapernorm", "layernorm-fixed-std"}
     assert isinstance(build_norm(norm_args(), D), type(LayerNorm(D)))
     attention, ffn_slot = NormSlot(ATTENTION), NormSlot(FFN)
     dyt = norm_args("dyt", dyt_alpha_init=0.2, dyt_attn_alpha_init=0.8, dyt_freeze_alpha=True)

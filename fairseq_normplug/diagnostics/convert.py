@@ -30,6 +30,9 @@ modules gives; Derf: alpha 0.5, shift 0), after the calibrated conversion, and w
 short fine-tune (``diagnostics.finetune``). The report goes to OUT's folder as
 ``<OUT name>.report.json`` and ``.report.md``; a calibration that does not beat the naive
 swap on dev loss is reported and the command exits with status 3.
+
+``--to none`` removes the LayerNorms by fine-tuning instead (Heimersheim 2024):
+``diagnostics/remove_norms.py``.
 """
 import argparse
 import copy
@@ -76,6 +79,15 @@ def layer_norm_sites(loaded: LoadedCheckpoint) -> List[str]:
         raise NormplugError(f"{loaded.path} mixes norm types ({', '.join(kinds)}); "
                             f"convert_norms takes a model whose norms are all LayerNorm")
     return sites
+
+
+def load_layer_norm_model(checkpoint: str, data_dir: str, out: str):
+    """(loaded checkpoint, its LayerNorm sites), after the one-line checks of OUT and DATA."""
+    if os.path.abspath(out) == os.path.abspath(checkpoint):
+        raise NormplugError(f"OUT {out} is the input checkpoint; choose another path")
+    resolve_data(data_dir)
+    loaded = load_checkpoint(checkpoint, data_dir)
+    return loaded, layer_norm_sites(loaded)
 
 
 def replace_norms(model, make) -> Dict[str, object]:
@@ -177,17 +189,18 @@ def calibrate(loaded: LoadedCheckpoint, samples: List[dict], target, calibration
     return model, {name: fits[name] for name in named_norms(model)}
 
 
-def converted_state(loaded: LoadedCheckpoint, model, norm_type: str) -> dict:
+def converted_state(loaded: LoadedCheckpoint, model, norm_type: str, **model_flags) -> dict:
     """The checkpoint of ``model``: the input's, with the converted weights, the stored model
     configuration switched to ``transformer_normplug --norm-type <norm_type>`` and no
     optimizer state (it belonged to other parameters). The converted norms hold the applied
     gain (1 + gamma of a ``--zero-centered-gamma`` LayerNorm) as a stock gamma, so the stored
-    configuration has ``zero_centered_gamma`` off."""
+    configuration has ``zero_centered_gamma`` off. ``model_flags`` set further model flags."""
     state = {key: value for key, value in loaded.state.items() if key != "last_optimizer_state"}
     state["model"] = model.state_dict()
     cfg = copy.deepcopy(loaded.state["cfg"])
     with open_dict(cfg):
-        updates = {"arch": "transformer_normplug", "_name": "transformer_normplug", "norm_type": norm_type}
+        updates = {"arch": "transformer_normplug", "_name": "transformer_normplug", "norm_type": norm_type,
+                   **model_flags}
         if getattr(cfg.model, "zero_centered_gamma", False):  # the gain is now a stock gamma
             updates["zero_centered_gamma"] = False
         if isinstance(cfg.model, argparse.Namespace):
@@ -233,16 +246,40 @@ def _affine_label(fit: dict) -> str:
     return "gamma refitted" if fit["gamma_refitted"] else "copied"
 
 
+def stage_table(stages: List[dict]) -> List[str]:
+    """The markdown rows of a report's dev numbers, one row per stage."""
+    return ["| stage | dev loss | dev nll loss | dev BLEU |", "| --- | ---: | ---: | ---: |"] + [
+        f"| {stage['stage']} | {_num(stage['loss'])} | {_num(stage['nll_loss'])} | {_num(stage.get('bleu'), 2)} |"
+        for stage in stages]
+
+
+def stage_evaluator(loaded: LoadedCheckpoint, generation: dict, echo):
+    """``evaluate(model, stage)``: the dev loss and BLEU of one report stage (echoed)."""
+    criterion = loaded.task.build_criterion(loaded.cfg.criterion)
+
+    def evaluate(model, stage):
+        result = {"stage": stage, **evaluate_model(model, loaded.task, criterion, loaded.bpe, generation)}
+        echo(f"[convert] {stage}: dev loss {result['loss']:.3f}, dev BLEU {result['bleu']:.2f}")
+        return result
+
+    return evaluate
+
+
+def write_report(out: str, report: dict, markdown: str):
+    """``<OUT>.report.json`` and ``.report.md`` (atomically); returns their paths."""
+    json_path, md_path, _ = report_paths(out)
+    write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
+    write_text_atomic(md_path, markdown)
+    return json_path, md_path
+
+
 def render_markdown(report: dict) -> str:
     """The report's tables: dev numbers per stage, then the fit of every norm site."""
     lines = [f"# Conversion of {report['checkpoint']} to {report['to']}", "",
              f"Dev set of {report['data']}; calibration ({report.get('calibration', 'per-norm')}, "
              f"gamma/beta {report.get('affine', 'gamma')}) on {report['calibration_tokens']} training "
              f"tokens; dev BLEU tokenized, beam {report['generation']['beam']}.", "",
-             "| stage | dev loss | dev nll loss | dev BLEU |", "| --- | ---: | ---: | ---: |"]
-    for stage in report["stages"]:
-        lines.append(f"| {stage['stage']} | {_num(stage['loss'])} | {_num(stage['nll_loss'])} | "
-                     f"{_num(stage.get('bleu'), 2)} |")
+             *stage_table(report["stages"])]
     verdict = "beats" if report["calibration_beats_naive"] else "does NOT beat"
     lines += ["", f"Calibration {verdict} the naive swap on dev loss.", "",
               "| norm | input std | 1/std | fitted alpha | gamma/beta | MSE naive | MSE calibrated | "
@@ -272,21 +309,11 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
     if finetune_updates < 0 or calibration_tokens <= 0:
         raise NormplugError(f"--finetune-updates must be >= 0 and --calibration-tokens > 0, got "
                             f"{finetune_updates} and {calibration_tokens}")
-    if os.path.abspath(out) == os.path.abspath(checkpoint):
-        raise NormplugError(f"OUT {out} is the input checkpoint; choose another path")
-    resolve_data(data_dir)
     started = time.time()
-    loaded = load_checkpoint(checkpoint, data_dir)
-    sites = layer_norm_sites(loaded)
+    loaded, sites = load_layer_norm_model(checkpoint, data_dir, out)
     task = loaded.task
-    criterion = task.build_criterion(loaded.cfg.criterion)
     generation = {**DEFAULT_GENERATION, **(generation or {})}
-
-    def evaluate(model, stage):
-        result = {"stage": stage, **evaluate_model(model, task, criterion, loaded.bpe, generation)}
-        echo(f"[convert] {stage}: dev loss {result['loss']:.3f}, dev BLEU {result['bleu']:.2f}")
-        return result
-
+    evaluate = stage_evaluator(loaded, generation, echo)
     stages = [evaluate(loaded.model, "before conversion (LayerNorm)")]
     samples = list(batches(task, "train", CALIBRATION_BATCH_TOKENS, limit_tokens=calibration_tokens))
     source_tokens = sum(int(sample["net_input"]["src_tokens"].ne(task.source_dictionary.pad()).sum())
@@ -305,7 +332,7 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
     if left:
         raise NormplugError(f"internal error: {out} still holds {left}")
     stages.append(evaluate(reloaded.model, f"calibrated {to} (no training)"))
-    json_path, md_path, finetune_dir = report_paths(out)
+    finetune_dir = report_paths(out)[2]
     finetuned = None
     if finetune_updates:
         echo(f"[convert] fine-tuning {finetune_updates} updates (lr {finetune_lr:g}); log: "
@@ -322,8 +349,7 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
         "stages": stages, "calibration_beats_naive": calibrated_loss < naive_loss, "fits": fits,
         "minutes": round((time.time() - started) / 60, 2),
     }
-    write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
-    write_text_atomic(md_path, render_markdown(report))
+    json_path, md_path = write_report(out, report, render_markdown(report))
     verdict = "beats" if report["calibration_beats_naive"] else "does NOT beat"
     echo(f"[convert] calibration {verdict} the naive swap on dev loss: {calibrated_loss:.3f} vs "
          f"{naive_loss:.3f}")
@@ -332,17 +358,25 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
 
 
 def main(argv=None) -> dict:
+    from fairseq_normplug.diagnostics import remove_norms  # it builds on this module
+
     parser = checkpoint_parser("convert_norms.sh", __doc__)
     parser.add_argument("out", help="output checkpoint path")
     parser.add_argument("--to", default="dyt", help=f"target norm type: {', '.join(fitting.TARGETS)} (default dyt), "
-                                                    f"or folded (a TaperNorm model at gate 0: diagnostics/fold.py)")
+                                                    f"folded (a TaperNorm model at gate 0: diagnostics/fold.py) or none "
+                                                    f"(LayerNorm removed by fine-tuning: remove_norms.py)")
     parser.add_argument("--finetune-updates", type=int, default=0, metavar="N",
                         help="fine-tune the converted model N updates afterwards (default 0: none)")
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="its constant lr (default 1e-4)")
     parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS, metavar="N",
                         help=f"source tokens of the training set used for calibration (default "
                              f"{DEFAULT_CALIBRATION_TOKENS}; at most {MAX_FIT_ROWS} rows per norm are fitted)")
-    parser.add_argument("--calibration", default="layerwise",
+    parser.add_argument("--removal-every", type=int, default=None, metavar="K",
+                        help=f"--to none: updates between two norm removals (default "
+                             f"{remove_norms.DEFAULT_REMOVAL_EVERY})")
+    parser.add_argument("--removal-start", type=int, default=None, metavar="S",
+                        help="--to none: the first norm is removed after S updates (default K)")
+    parser.add_argument("--calibration", default=None,
                         help="layerwise (default: norm k fitted on its inputs with norms < k converted) "
                              "or per-norm (every norm on the original model's activations)")
     parser.add_argument("--affine", default=None,
@@ -355,6 +389,15 @@ def main(argv=None) -> dict:
                         help="dev BLEU length penalty (0.6)")
     args = parser.parse_args(argv)
     try:
+        if args.to not in (*fitting.TARGETS, "folded", "none"):
+            raise NormplugError(f"unknown conversion target --to {args.to!r}; choose from "
+                                f"{', '.join(fitting.TARGETS)}, folded, none")
+        given = [flag for flag, value in (("--removal-every", args.removal_every),
+                                           ("--removal-start", args.removal_start)) if value is not None]
+        if given and args.to != "none":
+            raise NormplugError(f"{given[0]} applies to --to none, not --to {args.to}")
+        if args.to == "none":
+            return removal_main(args)
         if args.to == "folded":
             from fairseq_normplug.diagnostics import fold
             return fold.fold_checkpoint(args.checkpoint, args.data, args.out,
@@ -363,13 +406,26 @@ def main(argv=None) -> dict:
             raise NormplugError(f"--keep-gamma contradicts --affine {args.affine}; pass one of them")
         report = convert(args.checkpoint, args.data, args.out, args.to, args.finetune_updates,
                          args.finetune_lr, args.calibration_tokens, not args.keep_gamma,
-                         {"beam": args.beam, "lenpen": args.lenpen}, calibration=args.calibration,
+                         {"beam": args.beam, "lenpen": args.lenpen}, calibration=args.calibration or "layerwise",
                          affine=args.affine)
     except NormplugError as error:
         sys.exit(f"convert_norms.sh: error: {error}")
     if not report["calibration_beats_naive"]:
         sys.exit(NOT_BETTER_EXIT_CODE)
     return report
+
+
+def removal_main(args) -> dict:
+    """``--to none`` (``remove_norms.remove``); the calibration flags of DyT/Derf are refused."""
+    given = [flag for flag, value in (("--calibration", args.calibration), ("--affine", args.affine),
+                                       ("--keep-gamma", args.keep_gamma or None)) if value is not None]
+    if given:
+        raise NormplugError(f"{given[0]} applies to --to {'|'.join(fitting.TARGETS)}, not --to none")
+    from fairseq_normplug.diagnostics import remove_norms
+
+    return remove_norms.remove(args.checkpoint, args.data, args.out, args.finetune_updates, args.finetune_lr,
+                               args.calibration_tokens, args.removal_every,
+                               args.removal_start, {"beam": args.beam, "lenpen": args.lenpen})
 
 
 if __name__ == "__main__":
