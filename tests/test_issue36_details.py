@@ -244,3 +244,37 @@ def test_rmsnorm_eps_convention():
     big = 3 * torch.randn(4, D)  # rms ~ 3: the two conventions agree to ~1e-6
     authors_big = big / (big.norm(dim=-1, keepdim=True) * D ** -0.5 + eps) * norm.weight
     torch.testing.assert_close(norm(big), authors_big, rtol=1e-5, atol=1e-5)
+
+
+# ---- what --norm-stats-interval logs of the new designs ------------------------------------
+
+def logged_once(model, task):
+    """The metrics of one training forward at a sampled update (--norm-stats-interval 5)."""
+    from fairseq.logging import metrics
+    src, lengths, prev = toy_batch(task)
+    model.train()
+    model.set_num_updates(5)
+    with metrics.aggregate(new_root=True) as agg:
+        model(src, lengths, prev)
+    return agg.get_smoothed_values()
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--prenorm", "--norm-type", "tapernorm", "--taper-updates", "10", "20"],
+     {"taper_gate:enc0.attn": 1.0, "taper_gate:dec.final": 1.0}),
+    (["--prenorm", "--norm-type", "seednorm"], {"seed_alpha:enc1.ffn": 1.0, "seed_beta:dec0.cross": 0.0}),
+    (["--prenorm", "--gpas"], {"gate:enc0.gpas": 0.0, "gate:dec1.gpas": 0.0}),
+])
+def test_the_new_designs_log_their_own_statistics(tiny_bin, flags, expected):
+    """TaperNorm's gate g and scaling s, SeeDNorm's mean |alpha| and |beta|, GPAS's gates (with
+    the std of what each scales), at their inits."""
+    model, task, _ = build(tiny_bin, TINY, *flags, "--norm-stats-interval", "5")
+    model.train()
+    model(*toy_batch(task))  # update 0, not sampled: TaperNorm calibrates s (logged below)
+    values = logged_once(model, task)
+    for key, value in expected.items():
+        assert values[key] == pytest.approx(value), key
+    if "--gpas" in flags:
+        assert values["in_std:enc0.gpas"] > 0
+    if "tapernorm" in flags:
+        assert values["taper_s:enc0.attn"] > 0 and "taper_s:dec.final" in values

@@ -253,3 +253,17 @@ def test_contradictions_are_refused_in_one_line(tiny_bin, flags, message):
 def test_a_task_without_the_renormalising_step_is_refused(tiny_bin):
     with pytest.raises(NormplugError, match="--ngpt needs --task translation_normplug"):
         parse_args(tiny_bin, TINY, "--ngpt", task="translation")
+
+
+@pytest.mark.parametrize("task", ["translation", "translation_normplug"])
+def test_the_hydra_door_checks_the_task_too(task):
+    """fairseq-normplug-hydra-train checks cfg.model with cfg.task._name as fairseq-train's --task:
+    a stock translation task (no renormalising step) is refused there too."""
+    from omegaconf import OmegaConf
+    from fairseq_normplug.models.normplug_config import check_hydra_model_config
+    cfg = OmegaConf.create({"task": {"_name": task}, "model": {"_name": "transformer_normplug", "ngpt": True}})
+    if task == TASK:
+        check_hydra_model_config(cfg)
+    else:
+        with pytest.raises(NormplugError, match="--ngpt needs --task translation_normplug .*got --task translation$"):
+            check_hydra_model_config(cfg)

@@ -152,7 +152,8 @@ class TransformerNormplugModel(TransformerModel):
             make_embed_scale_learnable(model)
         if beyond.norm_weight_decay is not None:
             mark_norm_parameters(model, norm_parameter_names(model), beyond.norm_weight_decay)
-        model.norm_stats = NormStatsRecorder(named_norms(model), settings.norm_stats_interval)
+        model.norm_stats = NormStatsRecorder({**named_norms(model), **layer_plan.logged_modules(model)},
+                                             settings.norm_stats_interval)
         model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         return model
 

@@ -8,8 +8,10 @@ Forward pre-hooks read each norm's input only on sampled updates (every ``interv
 updates, training mode only) and log into fairseq's metrics, so the values land in the
 ``train_inner`` records of the training log under keys such as ``g:dec2.ffn``,
 ``alpha:enc0.attn``, ``gain:enc1.ffn``, ``in_std:dec0.cross`` and ``sat:enc0.ffn``
-(any norm with a ``saturated_fraction(x)`` method: DyT). With interval 0 no hook
-is installed at all.
+(any norm with a ``saturated_fraction(x)`` method: DyT), plus what a module's
+``logged_stats()`` returns (TaperNorm's gate, SeeDNorm's alpha and beta). The modules are the
+norms and what a placement or modifier's ``logged_modules`` adds (GPAS's gates). With interval 0
+no hook is installed at all.
 """
 from typing import Dict
 
@@ -56,7 +58,8 @@ class NormStatsRecorder:
                 metrics.log_scalar(f"in_std:{name}", float(inputs[0].float().std()), round=4)
                 if hasattr(module, "saturated_fraction"):
                     metrics.log_scalar(f"sat:{name}", module.saturated_fraction(inputs[0]), round=4)
-                for stat, value in norm_scale_stats(module).items():
+                logged = getattr(module, "logged_stats", None)
+                for stat, value in {**norm_scale_stats(module), **(logged() if logged else {})}.items():
                     metrics.log_scalar(f"{stat}:{name}", value, round=4)
 
         return record

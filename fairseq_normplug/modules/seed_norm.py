@@ -76,6 +76,12 @@ class SeeDNorm(FormulaNorm):
         self.beta = nn.Parameter(torch.zeros(dim))
         self.alpha = nn.Parameter(torch.ones(dim))
 
+    def logged_stats(self):
+        """``--norm-stats-interval``: mean |alpha| and mean |beta| (``seed_alpha:<norm>``,
+        ``seed_beta:<norm>``): how far the gain moves with the input (the SeeDNorm equation)."""
+        return {"seed_alpha": float(self.alpha.detach().float().abs().mean()),
+                "seed_beta": float(self.beta.detach().float().abs().mean())}
+
     def formula(self, x, weight, beta, alpha):
         return seednorm_reference(x, weight, beta, alpha, self.eps, self.heads)
 

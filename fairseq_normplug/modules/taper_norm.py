@@ -131,6 +131,10 @@ class TaperNorm(FormulaNorm):
             self.calibrate(xf)
         return self.formula(xf, upcast(self.weight), upcast(self.bias)).to(x.dtype)
 
+    def logged_stats(self):
+        """``--norm-stats-interval``: the gate g (``taper_gate:<norm>``) and s (``taper_s:<norm>``)."""
+        return {"taper_gate": float(self.gate), "taper_s": float(self.inv_std)}
+
     def affine_map(self):
         """(scale, shift) of the fixed branch, per channel: ``x -> scale * x + shift``."""
         return self.weight * self.inv_std, self.bias

@@ -123,6 +123,11 @@ class LayerDesign:
     def finish_model(self, model: nn.Module) -> None:
         """A last step on the built model (norm types installed, ``--weight-init`` applied)."""
 
+    def logged_modules(self, model: nn.Module) -> Dict[str, nn.Module]:
+        """Modules besides the norms whose statistics ``--norm-stats-interval`` logs, by short
+        name (``enc0.gpas``): their input std, scalar parameters and ``logged_stats()``."""
+        return {}
+
 
 class Placement(LayerDesign):
     """Where the norms of a layer sit and how its residuals add up (``--norm-placement``)."""

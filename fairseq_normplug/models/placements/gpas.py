@@ -113,3 +113,8 @@ class GPAS(Modifier):
         installed its own, which GPAS then wraps)."""
         for layer in (*model.encoder.layers, *model.decoder.layers):
             layer.__class__ = _gpas_class(type(layer))
+
+    def logged_modules(self, model):
+        """Each layer's gate (``gate:enc0.gpas``; ``in_std``: the std of what it scales)."""
+        return {f"{side}{index}.gpas": layer.gpas for side, stack in (("enc", model.encoder), ("dec", model.decoder))
+                for index, layer in enumerate(stack.layers)}

@@ -182,6 +182,9 @@ class LayerPlan:
         for design in self.designs:
             design.finish_model(model)
 
+    def logged_modules(self, model: nn.Module) -> Dict[str, nn.Module]:
+        return {name: module for design in self.designs for name, module in design.logged_modules(model).items()}
+
 
 class PlacedEncoder(TransformerEncoderBase):
     """fairseq's encoder whose ``build_encoder_layer`` builds the layers of ``layer_plan``."""
