@@ -357,7 +357,7 @@ def test_the_speed_benchmark_covers_every_beyond_row():
     from fairseq_normplug.bench.bench_train import BEYOND, PLUGIN, VARIANTS
 
     benched = [VARIANTS[name][len(PLUGIN):] for name in BEYOND.split(",") if VARIANTS[name][:2] == PLUGIN[:2]]
-    assert len(benched) == len(set(map(tuple, benched))) == 24 - 3 + 2  # 24 rows, 3 of them off or prenorm
+    assert len(benched) == len(set(map(tuple, benched))) == 34 - 3 + 2  # 34 rows, 3 of them off or prenorm
     for row in load_table("beyond").rows:
         if "--encoder-layers" in row.model:
             assert row.model not in benched
@@ -365,6 +365,8 @@ def test_the_speed_benchmark_covers_every_beyond_row():
         flags = list(row.model)
         if row.model == ["--norm-placement", "mix"]:
             flags += ["--mix-ln-ratio", "0.34"]
+        if "--ngpt" in row.model:
+            flags += ["--task", "translation_normplug"]  # nGPT's training_task
         assert flags in benched, row.name
     assert VARIANTS["b2t-warmup"] == PLUGIN + ["--norm-placement", "b2t"]
 

@@ -72,8 +72,20 @@ def beyond_variants() -> Dict[str, List[str]]:
             continue
         seen.append(row.model)
         extra = MIX_AT_THREE_LAYERS if row.model == ["--norm-placement", "mix"] else []
-        variants[slug(row.name)] = row.model + extra
+        variants[slug(row.name)] = row.model + extra + training_task_flags(row.model)
     return variants
+
+
+def training_task_flags(model_flags: List[str]) -> List[str]:
+    """``--task T`` when a placement or modifier of ``model_flags`` trains only under task T
+    (``training_task``: nGPT's renormalising step), else nothing (the benchmark's ``translation``)."""
+    from fairseq_normplug.models.placements import MODIFIERS, PLACEMENTS
+
+    designs = [MODIFIERS[flag[2:]] for flag in model_flags if flag.startswith("--") and flag[2:] in MODIFIERS]
+    if "--norm-placement" in model_flags:
+        designs.append(PLACEMENTS[model_flags[model_flags.index("--norm-placement") + 1]])
+    tasks = {design.training_task for design in designs if design.training_task}
+    return ["--task", *tasks] if tasks else []
 
 
 BEYOND_VARIANTS = beyond_variants()
@@ -109,13 +121,14 @@ def prepare_data(workdir: str, pairs: int) -> str:
 def train_command(data: str, variant: str, args) -> List[str]:
     device = ["--cpu"] if args.device == "cpu" else []
     return [
-        _bin("fairseq-train"), data, *VARIANTS[variant], *device,
+        _bin("fairseq-train"), data, *device,
         "--task", "translation", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--clip-norm", "1.0", "--max-tokens", str(args.max_tokens), "--seed", "1",
         "--max-update", str(args.max_update), "--log-format", "json", "--log-interval",
         str(args.log_interval), "--disable-validation", "--no-save", "--num-workers", "0",
+        *VARIANTS[variant],  # last: a variant's --task replaces the benchmark's
     ]
 
 

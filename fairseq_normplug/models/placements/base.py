@@ -35,7 +35,7 @@ its ``add_args`` adds, ``store_true``; see ``enabled``), and gets the chosen pla
 ``__init__(self, args, placement)``; ``sublayer_forward = True`` makes the layers run the
 placement's ``sublayers`` (fairseq's forward would skip its modules).
 """
-from typing import Callable, Dict, Sequence, Tuple, Type
+from typing import Callable, Dict, Optional, Sequence, Tuple, Type
 
 from torch import Tensor, nn
 
@@ -92,6 +92,8 @@ class LayerDesign:
     defaults: Dict[str, object] = {}
     norm_slots: Tuple[PlacementSlot, ...] = ()
     final_norm = False
+    #: the fairseq task the design must train under (None: any); ``refuse_other_task`` checks it
+    training_task: Optional[str] = None
 
     @classmethod
     def add_args(cls, parser) -> None:
@@ -105,6 +107,12 @@ class LayerDesign:
     def describe(self) -> str:
         """The flags that chose this design, for messages."""
         return f"--{self.name}"
+
+    def refuse_other_task(self, args, reason: str) -> None:
+        """Refuse a ``--task`` other than :attr:`training_task` (``reason``: what that task does)."""
+        task = getattr(args, "task", self.training_task)
+        if self.training_task and task != self.training_task:
+            self.refuse(f"{self.describe()} needs --task {self.training_task} ({reason}), got --task {task}")
 
     def refuse_xformers(self, args, reason: str) -> None:
         """Refuse fairseq's xFormers attention configs (they bypass fairseq's attention modules)."""

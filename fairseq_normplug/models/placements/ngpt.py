@@ -48,7 +48,6 @@ ALPHA_INIT = 0.05
 ALPHA_NAMES = {"attn": "alpha_attn", "cross": "alpha_cross", "ffn": "alpha_ffn"}
 #: the attribute every nGPT matrix carries: the dimension (0 or 1) along which it is normalised
 UNIT_DIM = "ngpt_unit_dim"
-TASK = "translation_normplug"  # its optimizer_step renormalises the weights
 
 
 def unit(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -214,6 +213,7 @@ class NGPT(Modifier):
     wiring (:meth:`sublayers`), replacing PostNorm's, whose norms it removes."""
 
     sublayer_forward = True
+    training_task = "translation_normplug"  # its optimizer_step renormalises the weights
 
     @classmethod
     def add_args(cls, parser):
@@ -249,9 +249,7 @@ class NGPT(Modifier):
         if getattr(args, "weight_decay", 0) > 0:
             self.refuse(f"--ngpt trains without weight decay (NVIDIA/ngpt train.py:113): drop --weight-decay "
                         f"{args.weight_decay}")
-        if getattr(args, "task", TASK) != TASK:
-            self.refuse(f"--ngpt needs --task {TASK} (its optimizer_step renormalises the weights after "
-                        f"every step), got --task {args.task}")
+        self.refuse_other_task(args, "its optimizer_step renormalises the weights after every step")
         self.refuse_xformers(args, "xFormers attention reads the q/k/v weights and would skip the q/k norms")
 
     def build_layer(self, layer, index, num_layers):
