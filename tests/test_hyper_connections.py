@@ -15,7 +15,7 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.models.placements.hyper_connections import HyperConnection
-from model_helpers import assert_same_model, build, parse_args, randomized, toy_batch
+from model_helpers import build, parse_args, randomized, toy_batch
 from test_cli import USER_DIR, log_records, train
 from test_placements import TINY, future_mask, sublayers
 from test_precision import AGREEMENT, HALF, padded_batch, smoothed_loss

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from fairseq import checkpoint_utils
 
 from conftest import cli, run_cli
 from fairseq_normplug.errors import NormplugError

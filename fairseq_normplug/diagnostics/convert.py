@@ -362,9 +362,10 @@ def main(argv=None) -> dict:
 
     parser = checkpoint_parser("convert_norms.sh", __doc__)
     parser.add_argument("out", help="output checkpoint path")
-    parser.add_argument("--to", default="dyt", help=f"target norm type: {', '.join(fitting.TARGETS)} (default dyt), "
-                                                    f"folded (a TaperNorm model at gate 0: diagnostics/fold.py) or none "
-                                                    f"(LayerNorm removed by fine-tuning: remove_norms.py)")
+    parser.add_argument("--to", default="dyt",
+                        help=f"target norm type: {', '.join(fitting.TARGETS)} (default dyt), folded (a TaperNorm "
+                             f"model at gate 0: diagnostics/fold.py) or none (LayerNorm removed by fine-tuning: "
+                             f"remove_norms.py)")
     parser.add_argument("--finetune-updates", type=int, default=0, metavar="N",
                         help="fine-tune the converted model N updates afterwards (default 0: none)")
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="its constant lr (default 1e-4)")

@@ -142,7 +142,8 @@ class HyperConnections(Placement):
         if streams < 1:
             self.refuse(f"--hc-streams must be >= 1 (the number of residual streams; the papers use "
                         f"{DEFAULT_STREAMS}), got {streams}")
-        self.refuse_residual_scale(args, "the hyper-connections' learned mixing replaces the x + F(x) residual it scales")
+        self.refuse_residual_scale(args, "the hyper-connections' learned mixing replaces the x + F(x) residual "
+                                         "it scales")
         self.refuse_tfixup(args)
         self.refuse_layerdrop(args, "its residual streams run through every layer of the stack")
         self.streams = args.hc_streams = streams
