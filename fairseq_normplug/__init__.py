@@ -28,10 +28,17 @@ from fairseq_normplug import optim  # noqa: E402,F401  (registers the LR schedul
 from fairseq_normplug import tasks  # noqa: E402,F401  (registers the translation_normplug task)
 from fairseq_normplug import criterions  # noqa: E402,F401  (registers masked_label_smoothed_cross_entropy)
 from fairseq_normplug.modules.norm_base import FormulaNorm  # noqa: E402
-from fairseq_normplug.modules.norm_registry import register_norm  # noqa: E402
+from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL, register_norm  # noqa: E402
 from fairseq_normplug.models.placements import (  # noqa: E402
-    Modifier, Placement, new_norm, register_modifier, register_placement,
+    SUBLAYER_NORMS, Modifier, Placement, new_norm, register_modifier, register_placement,
 )
+# helpers the built-in designs use, for extensions too: float32 scalars and statistics under
+# fp16/bf16, a parameter-free norm, a flag's spelling, a sum over the data-parallel ranks
+from fairseq_normplug.modules.float32_params import HALF_DTYPES, Float32Params  # noqa: E402
+from fairseq_normplug.modules.fused import upcast  # noqa: E402
+from fairseq_normplug.modules.identity_norm import IdentityNorm  # noqa: E402
+from fairseq_normplug.modules.auto_init import sum_over_ranks  # noqa: E402
+from fairseq_normplug.models.placements.base import flag  # noqa: E402
 from fairseq_normplug.extensions import load_startup_extensions  # noqa: E402
 
 # a researcher's own norms and placements (docs/extending.md): installed packages' entry points,
@@ -39,5 +46,6 @@ from fairseq_normplug.extensions import load_startup_extensions  # noqa: E402
 load_startup_extensions()
 
 __all__ = ["NormplugError", "FormulaNorm", "register_norm", "Placement", "Modifier", "register_placement",
-           "register_modifier", "new_norm"]
+           "register_modifier", "new_norm", "ATTENTION", "FFN", "FINAL", "SUBLAYER_NORMS", "Float32Params",
+           "HALF_DTYPES", "upcast", "IdentityNorm", "sum_over_ranks", "flag"]
 __version__ = "0.1.0"

@@ -91,3 +91,29 @@ def test_the_registry_refuses_a_taken_name_and_a_non_placement(branch_norm):
     with pytest.raises(NormplugError, match="is not a subclass of fairseq_normplug.models.placements.Placement"):
         register_placement("plain")(object)
     assert "plain" not in PLACEMENTS
+
+
+#: issue 36's designs, the proof that the public interface carries real research code
+DESIGNS_OF_2024_2026 = ("models/placements/siamese.py", "models/placements/output_norm.py",
+                        "models/placements/hyper_connections.py", "models/placements/gpas.py",
+                        "models/placements/ngpt.py", "modules/taper_norm.py", "modules/seed_norm.py",
+                        "modules/fixed_std_layer_norm.py")
+
+
+@pytest.mark.parametrize("path", DESIGNS_OF_2024_2026)
+def test_the_2024_2026_designs_import_only_the_public_interface(path):
+    """Each design file takes from the package only what ``fairseq_normplug`` exports (or
+    another registered design it builds on, as an extension may): it could live outside."""
+    import ast
+    import os
+    import fairseq_normplug
+    from fairseq_normplug.models.placements import MODIFIERS
+
+    package = os.path.dirname(fairseq_normplug.__file__)
+    design_modules = {cls.__module__ for cls in (*PLACEMENTS.values(), *MODIFIERS.values())}
+    tree = ast.parse(open(os.path.join(package, path)).read())
+    imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("fairseq_normplug") for alias in node.names]
+    assert imported, path
+    for module, name in imported:
+        assert name in fairseq_normplug.__all__ or module in design_modules, (path, module, name)

@@ -34,7 +34,7 @@ AUTO_RULES = {"alpha": "1/std of the norm's input at non-pad tokens",
               "beta": "(d-1)*mean(x^2) of the norm's input at non-pad tokens"}
 
 
-def _sum_over_ranks(t: torch.Tensor) -> int:
+def sum_over_ranks(t: torch.Tensor) -> int:
     """Sum ``t`` in place over the data-parallel ranks; return their number."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
@@ -69,7 +69,7 @@ def input_moments(x: torch.Tensor):
     xd = x.detach().to(torch.float64)
     sums = torch.stack([xd.sum(), xd.square().sum(), torch.tensor(float(xd.numel()), dtype=torch.float64,
                                                                 device=xd.device)])
-    ranks = _sum_over_ranks(sums)
+    ranks = sum_over_ranks(sums)
     total, total_sq, count = sums.tolist()
     return total / max(count, 1.0), total_sq / max(count, 1.0), ranks
 

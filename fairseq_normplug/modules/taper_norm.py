@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.modules.auto_init import _sum_over_ranks
+from fairseq_normplug.modules.auto_init import sum_over_ranks
 from fairseq_normplug.modules.float32_params import HALF_DTYPES
 from fairseq_normplug.modules.fused import upcast
 from fairseq_normplug.modules.identity_norm import IdentityNorm
@@ -120,7 +120,7 @@ class TaperNorm(FormulaNorm):
         the data-parallel ranks, so that every rank keeps the same ``s``); the first batch sets it."""
         with torch.no_grad():
             std = torch.sqrt(x.var(-1, unbiased=False) + TAPER_EPS).mean()
-            ranks = _sum_over_ranks(std)
+            ranks = sum_over_ranks(std)
             value = ranks / std
             ema = TAPER_EMA_DECAY * self.inv_std + (1 - TAPER_EMA_DECAY) * value
             self.inv_std.copy_(torch.where(self.inv_std > 0, ema, value))
