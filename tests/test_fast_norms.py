@@ -311,9 +311,19 @@ def test_bench_train_smoke(tmp_path):
         "--variants", "stock,off,scalenorm", "--reps", "1", "--max-update", "4",
         "--skip-updates", "1", "--log-interval", "1", "--train-pairs", "300",
         "--max-tokens", "512", "--workdir", str(tmp_path / "work"), "--out", str(out),
+        "--also-against", "off",
     ])
     assert out.read_text() == text
     for variant in ["stock", "off", "scalenorm"]:
         assert f"| {variant} " in text
     runs = json.loads((tmp_path / "bench_train.json").read_text())["runs"]
     assert runs["stock"][0]["wps"] > 0 and runs["scalenorm"][0]["peak_rss_mb"] > 0
+    table = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")]
+    header, cells = [c.strip() for c in table[0]], {row[0].strip(): [c.strip() for c in row] for row in table[1:]}
+    assert header[-2:] == ["vs off", "RSS vs off"]
+    assert cells["off"][-2:] == ["1.000", "1.000"] and cells["stock"][3] == "1.000"
+    expected = runs["scalenorm"][0]["wps"] / runs["off"][0]["wps"]
+    assert float(cells["scalenorm"][-2]) == pytest.approx(expected, abs=1e-3)
+    with pytest.raises(SystemExit) as refused:  # a reference that is not benchmarked
+        bench_train.main(["--variants", "stock,off", "--also-against", "prenorm", "--out", str(out)])
+    assert refused.value.code == 2

@@ -188,11 +188,16 @@ def main(argv=None) -> str:
         os.path.dirname(DEFAULT_RESULTS), "runs", "bench_train"),
         help="where the synthetic corpus is kept")
     parser.add_argument("--out", default=os.path.join(DEFAULT_RESULTS, "bench_train.md"))
+    parser.add_argument("--also-against", default="", metavar="VARIANT[,VARIANT...]",
+                        help="more reference variants, each with its own ratio columns beside stock's "
+                             "(e.g. prenorm: the new designs against PreNorm + LayerNorm)")
     args = parser.parse_args(argv)
     variants = (BEYOND if args.variants == "beyond" else args.variants).split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown or "stock" not in variants:
-        parser.error(f"unknown variants {unknown}" if unknown else "variants must include stock")
+    references = ["stock", *[v for v in args.also_against.split(",") if v]]
+    unknown = [v for v in variants + references if v not in VARIANTS]
+    if unknown or not set(references) <= set(variants):
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}" if unknown
+                     else f"variants must include stock and every --also-against variant ({', '.join(references)})")
     steady_allocator_env()  # for the training processes: same settings for every variant
     data = prepare_data(args.workdir, args.train_pairs)
     load_before = load_average()
@@ -212,16 +217,21 @@ def main(argv=None) -> str:
     rows = []
     for variant in variants:
         wps = [r["wps"] for r in runs[variant]]
-        ratio = [r["wps"] / s["wps"] for r, s in zip(runs[variant], runs["stock"])]
-        rss = [r["peak_rss_mb"] / s["peak_rss_mb"] for r, s in zip(runs[variant], runs["stock"])]
+        ratios = []
+        for reference in references:
+            ratio = [r["wps"] / s["wps"] for r, s in zip(runs[variant], runs[reference])]
+            rss = [r["peak_rss_mb"] / s["peak_rss_mb"] for r, s in zip(runs[variant], runs[reference])]
+            ratios.append((f"{median(ratio):.3f}", f"{median(rss):.3f}"))
         rows.append([
             variant, f"{median(wps):.0f}", " ".join(f"{w:.0f}" for w in wps),
-            f"{median(ratio):.3f}", f"{median([r['peak_rss_mb'] for r in runs[variant]]):.0f}",
-            f"{median(rss):.3f}", f"{median([r['start_s'] for r in runs[variant]]):.1f}",
+            ratios[0][0], f"{median([r['peak_rss_mb'] for r in runs[variant]]):.0f}",
+            ratios[0][1], f"{median([r['start_s'] for r in runs[variant]]):.1f}",
             f"{min(r['cpu_share'] for r in runs[variant]):.2f}",
+            *[value for pair in ratios[1:] for value in pair],
         ])
     header = ["variant", "tok/s (median)", "tok/s per rep", "vs stock", "peak RSS MB",
-              "RSS vs stock", "start s", "min CPU share"]
+              "RSS vs stock", "start s", "min CPU share",
+              *[column for reference in references[1:] for column in (f"vs {reference}", f"RSS vs {reference}")]]
     head = [
         "# Training throughput: stock transformer vs the plugin",
         "",
@@ -233,7 +243,8 @@ def main(argv=None) -> str:
         f"{100 * (other_share or 0):.0f}% of the CPUs during the run.",
         "",
         "`tok/s`: target tokens per second, steady state. `vs stock`: median over repetitions "
-        "of the ratio to stock's run of the same repetition (above 1 = faster). `start s`: "
+        "of the ratio to stock's run of the same repetition (above 1 = faster; `vs X`: the same "
+        "against variant X). `start s`: "
         "process start to the first logged update (imports, data loading, kernel "
         "compilation). `peak RSS`: maximum resident memory of the process. `min CPU share`: the "
         "lowest, over repetitions, CPU time / (wall time x threads) of a run; well below 1 "
