@@ -98,3 +98,15 @@ def test_postnorm_is_not_folded(tiny_bin):
     model, _, _ = build(tiny_bin, TINY, "--postnorm")
     fixed = remove_norms.fixed_std_model(model, {name: 1.0 for name in named_norms(model)})
     assert remove_norms.foldable(fixed) == "not PreNorm: each norm's output is the residual stream"
+
+
+def test_a_model_with_norm_statistics_copies_after_its_norms_are_replaced(tiny_bin):
+    """A trained model logs norm statistics (--norm-stats-interval > 0, as every recipe does):
+    replacing its norms (the fold of --to none) and copying the result again must work."""
+    import copy
+    from fairseq_normplug.diagnostics import convert
+
+    model, _, _ = build(tiny_bin, "transformer_normplug_tiny", "--prenorm", "--norm-stats-interval", "5")
+    replaced = convert.replace_norms(model, lambda name, norm: IdentityNorm(norm.weight.shape[0]))
+    again = copy.deepcopy(replaced)
+    assert all(isinstance(norm, IdentityNorm) for norm in named_norms(again).values())

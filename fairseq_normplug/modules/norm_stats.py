@@ -42,10 +42,11 @@ class NormStatsRecorder:
     def __init__(self, named_norms: Dict[str, nn.Module], interval: int):
         self.interval = interval
         self.active = False
-        self.handles = []
+        # the hooks stay for the model's life: no handles are kept (a torch RemovableHandle of a
+        # module later replaced, as convert_norms.sh replaces norms, breaks copy.deepcopy of the model)
         if interval > 0:
             for name, norm in named_norms.items():
-                self.handles.append(norm.register_forward_pre_hook(self._hook(name)))
+                norm.register_forward_pre_hook(self._hook(name))
 
     def set_num_updates(self, num_updates: int) -> None:
         self.active = self.interval > 0 and num_updates % self.interval == 0
