@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from conftest import cli, run_cli
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import load_table
+from fairseq_normplug.models.placements import training_task
 from fairseq_normplug.modules.qknorm import (HeadNormProjection, length_percentile, qknorm_g0,
                                              training_target_lengths)
 from fairseq_normplug.modules.residual_scale import deepnorm_constants, layerscale_init
@@ -312,7 +313,7 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
     from fairseq_normplug.experiments.tables import config_string, load_paper_results, paper_bleu
 
     table = load_table("beyond")
-    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 11 + 13 + 12
+    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 11 + 13 + 12 + 10
     final = table.row("PreNorm + FixNorm + ScaleNorm + NoWarmup")
     assert final.model == ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"]
     authors = [row for row in table.rows if row.schedule == "val_decay"]  # QKNorm's authors' configuration
@@ -331,9 +332,14 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
         assert table.row(f"PostNorm + DeepNorm {depth} layers").model[-1] == str(depth)
     # issue 21's rows: with warmup, each against PostNorm or PreNorm + LayerNorm with warmup
     warmup = [row for row in table.rows if row.schedule == "inv_sqrt_decay"]
-    assert len(warmup) == 13 and warmup[0].model == [] and warmup[1].model == ["--prenorm"]
+    assert len(warmup) == 13 + 6 and warmup[0].model == [] and warmup[1].model == ["--prenorm"]
     placements = {row.model[1] for row in warmup if row.model[:1] == ["--norm-placement"]}
-    assert placements == {"sandwich", "resi-dual", "b2t", "mix", "hybrid"}
+    assert placements == {"sandwich", "resi-dual", "b2t", "mix", "hybrid", "siamese", "output-norm",
+                          "hyper-connections"}
+    # issue 36's rows: each against the baseline of its schedule (warmup: PreNorm + LayerNorm; DyT ablations: DyT)
+    issue36 = table.rows[-22:-12]
+    assert [row.baseline for row in issue36] == ["PreNorm + DyT (alpha0 0.5)"] * 2 + [final.name] * 2 + [warmup[1].name] * 6
+    assert table.row("nGPT").train == ["--lr", "6.8e-3"] and table.row("mHC (n 4) + warmup").model[-1] == "--hc-manifold"
     assert table.row("PostNorm + Admin + warmup").baseline == warmup[0].name
     decayed = [row for row in warmup if row.train == ["--weight-decay", "0.1"]]
     assert [row.model for row in decayed] == [["--prenorm"], ["--prenorm", "--zero-centered-gamma"],
@@ -344,7 +350,7 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
 @pytest.mark.parametrize("row", [r.name for r in load_table("beyond").rows])
 def test_every_beyond_row_builds_a_tiny_model(tiny_bin, row):
     flags = load_table("beyond").row(row).model
-    model, _, _ = build(tiny_bin, TINY, *flags)
+    model, _, _ = build(tiny_bin, TINY, *flags, task=training_task(flags) or "translation")
     layers = flags[flags.index("--encoder-layers") + 1] if "--encoder-layers" in flags else "2"
     assert len(model.encoder.layers) == len(model.decoder.layers) == int(layers)
 

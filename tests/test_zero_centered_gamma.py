@@ -205,7 +205,7 @@ def test_refused_norm_types_give_one_line_errors_before_data_is_read(tmp_path, n
         parse_args(str(tmp_path / "no-such-data"), TINY, *flags, "--zero-centered-gamma")
     text = str(error.value)
     assert message in text and "\n" not in text
-    assert text.endswith("it applies to layernorm, rmsnorm, dyt, derf, dyisru")
+    assert text.endswith("it applies to layernorm, rmsnorm, dyt, derf, dyisru, seednorm")
     with pytest.raises(NormplugError, match="--zero-centered-gamma cannot be used"):
         make(norm_type, 8, True)
 

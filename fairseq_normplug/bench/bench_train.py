@@ -65,6 +65,7 @@ def beyond_variants() -> Dict[str, List[str]]:
     flags once, PostNorm and PreNorm + LayerNorm being ``off`` and ``prenorm``."""
     from fairseq_normplug.experiments.configs import load_table
     from fairseq_normplug.experiments.runner import slug
+    from fairseq_normplug.models.placements import training_task
 
     variants, seen = {}, [[], ["--prenorm"]]
     for row in load_table("beyond").rows:
@@ -72,20 +73,9 @@ def beyond_variants() -> Dict[str, List[str]]:
             continue
         seen.append(row.model)
         extra = MIX_AT_THREE_LAYERS if row.model == ["--norm-placement", "mix"] else []
-        variants[slug(row.name)] = row.model + extra + training_task_flags(row.model)
+        task = training_task(row.model)  # a design that trains under one task only (nGPT)
+        variants[slug(row.name)] = row.model + extra + (["--task", task] if task else [])
     return variants
-
-
-def training_task_flags(model_flags: List[str]) -> List[str]:
-    """``--task T`` when a placement or modifier of ``model_flags`` trains only under task T
-    (``training_task``: nGPT's renormalising step), else nothing (the benchmark's ``translation``)."""
-    from fairseq_normplug.models.placements import MODIFIERS, PLACEMENTS
-
-    designs = [MODIFIERS[flag[2:]] for flag in model_flags if flag.startswith("--") and flag[2:] in MODIFIERS]
-    if "--norm-placement" in model_flags:
-        designs.append(PLACEMENTS[model_flags[model_flags.index("--norm-placement") + 1]])
-    tasks = {design.training_task for design in designs if design.training_task}
-    return ["--task", *tasks] if tasks else []
 
 
 BEYOND_VARIANTS = beyond_variants()

@@ -12,6 +12,7 @@ the same two decorators (docs/placements.md).
 Adding a built-in: one file here and its line below (the import registers it; the order of
 the lines is the order of the choices).
 """
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBLAYER_NORMS, LayerDesign, Modifier,
                                                     Placement, layer_norm_slots, new_norm, register_modifier,
                                                     register_placement, registered_designs, set_final_norm)
@@ -27,6 +28,18 @@ def placement_label(name: str, modifiers=()) -> str:
     return "+".join([placement.label if placement else name, *modifiers])
 
 
+def training_task(model_flags) -> "str | None":
+    """The fairseq task the placement or modifiers of ``model_flags`` (a command line's model
+    flags) must train under (their ``training_task``: nGPT's renormalising step), or None."""
+    designs = [MODIFIERS[flag[2:]] for flag in model_flags if flag.startswith("--") and flag[2:] in MODIFIERS]
+    if "--norm-placement" in model_flags:
+        designs.append(PLACEMENTS[model_flags[model_flags.index("--norm-placement") + 1]])
+    tasks = {design.training_task for design in designs if design.training_task}
+    if len(tasks) > 1:
+        raise NormplugError(f"{' '.join(model_flags)} combines designs that need different tasks: {sorted(tasks)}")
+    return tasks.pop() if tasks else None
+
+
 __all__ = ["PLACEMENTS", "MODIFIERS", "SUBLAYER_NORMS", "LayerDesign", "Placement", "Modifier", "register_placement",
            "register_modifier", "registered_designs", "layer_norm_slots", "new_norm", "set_final_norm",
-           "placement_label"]
+           "placement_label", "training_task"]
