@@ -447,12 +447,17 @@ def test_removal_by_fine_tuning_keeps_postnorm_norms_as_fixed_affine_maps(traine
     from update 1 (FFN norms first), 6 more updates after the last; nothing is folded."""
     out = str(tmp_path / "none.pt")
     report = convert.main([trained, tiny_bin, out, "--to", "none", "--removal-every", "1", "--removal-start", "1",
-                           "--calibration-tokens", "2000", "--beam", "1"])
-    before, naive, finetuned = report["stages"]
+                           "--calibration-tokens", "2000", "--beam", "1", "--control"])
+    before, naive, finetuned, control = report["stages"]
     assert [stage["stage"] for stage in report["stages"]] == [
         "before removal (LayerNorm)", "naive removal (std -> its average c, no fine-tune)",
-        "fine-tuned removal (16 updates)"]
+        "fine-tuned removal (16 updates)", "LayerNorm + the same 16-update fine-tune (control)"]
     assert naive["loss"] > before["loss"] and finetuned["loss"] < naive["loss"]
+    # --control: the LayerNorm model itself, fine-tuned alike (the removal paper's comparison)
+    controlled = torch.load(convert.report_paths(out)[2] + ".control/checkpoint_last.pt", weights_only=False)
+    assert getattr(controlled["cfg"]["model"], "norm_type", "layernorm") == "layernorm" and report["control"]
+    assert controlled["optimizer_history"][-1]["num_updates"] == 16
+    assert math.isfinite(control["loss"]) and control["loss"] != before["loss"]
     assert all(math.isfinite(stage["bleu"]) for stage in report["stages"])
     ffn = [site for site in SITES if site.endswith(".ffn")]
     assert list(report["schedule"]) == ffn + [site for site in SITES if site not in ffn]
@@ -483,6 +488,9 @@ def test_removal_refusals_one_line(trained, converted, tiny_bin, tmp_path):
         ([trained, tiny_bin, out, "--to", "none", "--removal-every", "0"], "--removal-every and --removal-start must be >= 1"),
         ([trained, tiny_bin, out, "--to", "none", "--finetune-updates", "5", "--calibration-tokens", "500"],
          "--finetune-updates 5 ends before the last of the 10 norms is removed \\(after update 100\\)"),
+        ([trained, tiny_bin, out, "--control"], "--control fine-tunes the LayerNorm model as the converted one is: "
+                                                "it needs --finetune-updates N > 0 with --to dyt$"),
+        ([trained, tiny_bin, out, "--to", "folded", "--control"], "--control applies to --to dyt\\|derf\\|none"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -516,3 +524,17 @@ def test_removal_folds_a_prenorm_model(tiny_bin, tmp_path):
     criterion = unfolded.task.build_criterion(unfolded.cfg.criterion)
     assert dev_loss(loaded.model, loaded.task, criterion)["loss"] == pytest.approx(
         dev_loss(unfolded.model, unfolded.task, criterion)["loss"], abs=1e-4)
+
+
+def test_a_fine_tune_uses_this_plugin_whatever_checkout_trained_the_run(trained, tmp_path):
+    """A checkpoint stores the --user-dir it was trained with; the fine-tune imports this plugin
+    (another path would clash: fairseq needs the module name fairseq_normplug to be unique)."""
+    from fairseq_normplug.cli import user_dir
+    from fairseq_normplug.diagnostics.finetune import finetune_config
+
+    state = torch.load(trained, weights_only=False)
+    state["cfg"]["common"]["user_dir"] = "/another/checkout/fairseq_normplug"
+    moved = str(tmp_path / "moved.pt")
+    torch.save(state, moved)
+    cfg = finetune_config(moved, str(tmp_path), str(tmp_path / "ft"), 3, 1e-4)
+    assert cfg.common.user_dir == user_dir() != "/another/checkout/fairseq_normplug"

@@ -236,6 +236,19 @@ def finetune(checkpoint: str, data_bin: str, save_dir: str, updates: int, lr: fl
     return result
 
 
+def control_stage(checkpoint: str, data_dir: str, loaded: LoadedCheckpoint, out: str, updates: int, lr: float,
+                  evaluate, echo) -> dict:
+    """``--control``: the unconverted LayerNorm model fine-tuned exactly as the converted one
+    (same updates, lr, data), evaluated as a report stage; what the conversion's fine-tune is
+    compared with in Heimersheim 2024 (the LayerNorm model fine-tuned alike)."""
+    control_dir = report_paths(out)[2] + ".control"
+    echo(f"[convert] control: the LayerNorm model fine-tuned {updates} updates (lr {lr:g}); log: "
+         f"{control_dir}/train.log")
+    tuned = finetune(checkpoint, loaded.data_bin, control_dir, updates, lr)
+    return evaluate(load_checkpoint(tuned, data_dir).model,
+                    f"LayerNorm + the same {updates}-update fine-tune (control)")
+
+
 def _num(value, digits=3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -299,9 +312,10 @@ def report_paths(out: str):
 def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_updates: int = 0,
             finetune_lr: float = 1e-4, calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
             refit_gamma: bool = True, generation: Optional[dict] = None, echo=print,
-            calibration: str = "layerwise", affine: Optional[str] = None) -> dict:
+            calibration: str = "layerwise", affine: Optional[str] = None, control: bool = False) -> dict:
     """Convert, evaluate and report (the module docstring); returns the report. ``affine``
-    (``fitting.AFFINE_FITS``) defaults to ``"joint"``, or ``"keep"`` without ``refit_gamma``."""
+    (``fitting.AFFINE_FITS``) defaults to ``"joint"``, or ``"keep"`` without ``refit_gamma``;
+    ``control``: also the LayerNorm model fine-tuned alike (:func:`control_stage`)."""
     target = fitting.target(to)
     affine = fitting.affine_choice(affine, refit_gamma)
     if calibration not in CALIBRATIONS:
@@ -309,6 +323,9 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
     if finetune_updates < 0 or calibration_tokens <= 0:
         raise NormplugError(f"--finetune-updates must be >= 0 and --calibration-tokens > 0, got "
                             f"{finetune_updates} and {calibration_tokens}")
+    if control and not finetune_updates:
+        raise NormplugError(f"--control fine-tunes the LayerNorm model as the converted one is: it needs "
+                            f"--finetune-updates N > 0 with --to {to}")
     started = time.time()
     loaded, sites = load_layer_norm_model(checkpoint, data_dir, out)
     task = loaded.task
@@ -340,12 +357,14 @@ def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_
         finetuned = finetune(out, loaded.data_bin, finetune_dir, finetune_updates, finetune_lr)
         stages.append(evaluate(load_checkpoint(finetuned, data_dir).model,
                                f"calibrated {to} + {finetune_updates}-update fine-tune"))
+    if control:
+        stages.append(control_stage(checkpoint, data_dir, loaded, out, finetune_updates, finetune_lr, evaluate, echo))
     naive_loss, calibrated_loss = stages[1]["loss"], stages[2]["loss"]
     report = {
         "checkpoint": checkpoint, "data": data_dir, "to": to, "out": out, "finetuned": finetuned,
         "calibration_tokens": calibration_tokens, "calibration_source_tokens": source_tokens,
         "calibration": calibration, "affine": affine, "refit_gamma": affine != "keep", "generation": generation,
-        "finetune": {"updates": finetune_updates, "lr": finetune_lr},
+        "finetune": {"updates": finetune_updates, "lr": finetune_lr}, "control": control,
         "stages": stages, "calibration_beats_naive": calibrated_loss < naive_loss, "fits": fits,
         "minutes": round((time.time() - started) / 60, 2),
     }
@@ -369,6 +388,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--finetune-updates", type=int, default=0, metavar="N",
                         help="fine-tune the converted model N updates afterwards (default 0: none)")
     parser.add_argument("--finetune-lr", type=float, default=1e-4, help="its constant lr (default 1e-4)")
+    parser.add_argument("--control", action="store_true",
+                        help="also fine-tune the unconverted LayerNorm model the same way (updates, lr) and "
+                             "report it: what the fine-tune alone gives (--to dyt|derf with --finetune-updates, "
+                             "--to none)")
     parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS, metavar="N",
                         help=f"source tokens of the training set used for calibration (default "
                              f"{DEFAULT_CALIBRATION_TOKENS}; at most {MAX_FIT_ROWS} rows per norm are fitted)")
@@ -400,6 +423,9 @@ def main(argv=None) -> dict:
         if args.to == "none":
             return removal_main(args)
         if args.to == "folded":
+            if args.control:
+                raise NormplugError("--control applies to --to dyt|derf|none (a fine-tune to compare with), "
+                                    "not --to folded")
             from fairseq_normplug.diagnostics import fold
             return fold.fold_checkpoint(args.checkpoint, args.data, args.out,
                                         {"beam": args.beam, "lenpen": args.lenpen})
@@ -408,7 +434,7 @@ def main(argv=None) -> dict:
         report = convert(args.checkpoint, args.data, args.out, args.to, args.finetune_updates,
                          args.finetune_lr, args.calibration_tokens, not args.keep_gamma,
                          {"beam": args.beam, "lenpen": args.lenpen}, calibration=args.calibration or "layerwise",
-                         affine=args.affine)
+                         affine=args.affine, control=args.control)
     except NormplugError as error:
         sys.exit(f"convert_norms.sh: error: {error}")
     if not report["calibration_beats_naive"]:
@@ -426,7 +452,7 @@ def removal_main(args) -> dict:
 
     return remove_norms.remove(args.checkpoint, args.data, args.out, args.finetune_updates, args.finetune_lr,
                                args.calibration_tokens, args.removal_every,
-                               args.removal_start, {"beam": args.beam, "lenpen": args.lenpen})
+                               args.removal_start, {"beam": args.beam, "lenpen": args.lenpen}, control=args.control)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import torch
 from fairseq import checkpoint_utils
 from omegaconf import OmegaConf, open_dict
 
+from fairseq_normplug.cli import user_dir
+
 
 def finetune_config(checkpoint: str, data_bin: str, save_dir: str, updates: int, lr: float):
     """The fairseq configuration of the fine-tune (see the module docstring)."""
@@ -40,6 +42,9 @@ def finetune_config(checkpoint: str, data_bin: str, save_dir: str, updates: int,
         cfg.common.update(cpu=not torch.cuda.is_available(), log_format="json",
                           log_interval=max(1, updates // 10))
         cfg.distributed_training.distributed_world_size = 1
+        # this plugin, not the checkout the run was trained from (another path would be a
+        # second, clashing "fairseq_normplug" for fairseq's --user-dir import)
+        cfg.common.user_dir = user_dir()
     return cfg
 
 

@@ -173,8 +173,10 @@ def render_markdown(report: dict) -> str:
 
 def remove(checkpoint: str, data_dir: str, out: str, finetune_updates: int = 0, finetune_lr: float = 1e-4,
            calibration_tokens: int = convert.DEFAULT_CALIBRATION_TOKENS, removal_every: Optional[int] = None,
-           removal_start: Optional[int] = None, generation: Optional[dict] = None, echo=print) -> dict:
-    """Remove, fine-tune, fold, evaluate and report (the module docstring); returns the report."""
+           removal_start: Optional[int] = None, generation: Optional[dict] = None, echo=print,
+           control: bool = False) -> dict:
+    """Remove, fine-tune, fold, evaluate and report (the module docstring); returns the report.
+    ``control``: also the LayerNorm model fine-tuned alike (``convert.control_stage``)."""
     removal_every = DEFAULT_REMOVAL_EVERY if removal_every is None else removal_every
     removal_start = removal_every if removal_start is None else removal_start
     if removal_every < 1 or removal_start < 1 or finetune_updates < 0 or calibration_tokens <= 0:
@@ -218,11 +220,13 @@ def remove(checkpoint: str, data_dir: str, out: str, finetune_updates: int = 0, 
     convert.save_checkpoint(convert.converted_state(finetuned, result, NORM_TYPE, **flags), out)
     stages.append(evaluate(load_checkpoint(out, data_dir).model,
                            f"fine-tuned removal ({updates} updates{'' if reason else ', folded'})"))
+    if control:
+        stages.append(convert.control_stage(checkpoint, data_dir, loaded, out, updates, finetune_lr, evaluate, echo))
     report = {
         "checkpoint": checkpoint, "data": data_dir, "to": "none", "out": out, "finetuned": finetuned_path,
         "calibration_tokens": calibration_tokens, "generation": generation,
         "finetune": {"updates": updates, "lr": finetune_lr, "removal_every": removal_every,
-                     "removal_start": removal_start},
+                     "removal_start": removal_start}, "control": control,
         "stages": stages, "stds": {site: stds[site] for site in order}, "schedule": schedule,
         "folded": reason is None, "not_folded_reason": reason,
         "folded_sites": [] if reason else [site for site in order if is_folded_site(site)],
