@@ -36,9 +36,11 @@ from fairseq_normplug.modules.taper_norm import TaperNorm
 UNFOLDABLE_FLAGS = ("qknorm", "normformer", "layernorm_scaling", "cross_self_attention", "layernorm_embedding")
 
 
-def fold_affine_into_linear(linear: torch.nn.Linear, scale: torch.Tensor, shift: torch.Tensor) -> None:
+def fold_affine_into_linear(linear: torch.nn.Linear, scale: torch.Tensor, shift: torch.Tensor,
+                            centred: bool = False) -> None:
     """Make ``linear(x)`` compute what ``linear(scale * x + shift)`` computed: W <- W diag(scale),
-    bias <- bias + W shift (float64 arithmetic, stored in the layer's dtype)."""
+    bias <- bias + W shift (float64 arithmetic, stored in the layer's dtype). ``centred``: the
+    map reads ``x - mean(x)`` instead of x (a fixed-std LayerNorm), folded as W <- W - rowmean(W)."""
     with torch.no_grad():
         weight = linear.weight.double()
         bias = weight @ shift.double()
@@ -46,24 +48,29 @@ def fold_affine_into_linear(linear: torch.nn.Linear, scale: torch.Tensor, shift:
             bias = bias + linear.bias.double()
         else:
             linear.bias = torch.nn.Parameter(torch.zeros_like(linear.weight[:, 0]))
+        scaled = weight * scale.double()[None, :]
+        if centred:
+            scaled = scaled - scaled.mean(dim=1, keepdim=True)
         linear.bias.copy_(bias.to(linear.bias.dtype))
-        linear.weight.copy_((weight * scale.double()[None, :]).to(linear.weight.dtype))
+        linear.weight.copy_(scaled.to(linear.weight.dtype))
 
 
-def fold_targets(model, name: str) -> List[torch.nn.Linear]:
-    """The linear layers that read the norm ``name`` (``enc0.attn``, ``dec1.cross``, ``enc.final``)."""
-    if name == "enc.final":
-        return [proj for layer in model.decoder.layers for proj in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)]
-    stack = model.encoder if name.startswith("enc") else model.decoder
-    index, short = name[3:].split(".")
-    layer = stack.layers[int(index)]
-    if short == "attn":
-        return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
-    if short == "cross":
-        return [layer.encoder_attn.q_proj]
-    if short == "ffn":
-        return [layer.fc1]
-    raise NormplugError(f"the norm {name} feeds no linear layer the fold knows")
+def norm_consumers(model) -> Dict[str, List[torch.nn.Linear]]:
+    """{norm site: the linear layers its output feeds} of a PreNorm model: a layer's
+    self-attention norm -> q, k, v; cross-attention norm -> its q; FFN norm -> fc1; the
+    encoder's final norm -> every decoder layer's cross-attention k and v."""
+    consumers = {}
+    for prefix, stack in (("enc", model.encoder), ("dec", model.decoder)):
+        for index, layer in enumerate(stack.layers):
+            attention = layer.self_attn
+            consumers[f"{prefix}{index}.attn"] = [attention.q_proj, attention.k_proj, attention.v_proj]
+            consumers[f"{prefix}{index}.ffn"] = [layer.fc1]
+            if getattr(layer, "encoder_attn", None) is not None:
+                consumers[f"{prefix}{index}.cross"] = [layer.encoder_attn.q_proj]
+    consumers["enc.final"] = [projection for layer in model.decoder.layers
+                              if getattr(layer, "encoder_attn", None) is not None
+                              for projection in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)]
+    return consumers
 
 
 def check_foldable(model, model_cfg, path: str) -> None:
@@ -90,13 +97,16 @@ def fold_model(model) -> Tuple[torch.nn.Module, Dict[str, int]]:
     """A copy of ``model`` with every TaperNorm folded into its linear layers and replaced by
     a placeholder; {norm name: how many linear layers absorbed it}."""
     folded = copy.deepcopy(model)
+    consumers = norm_consumers(folded)
     absorbed = {}
     for owner, attr, _, name in list(norm_slots(folded)):
         norm = getattr(owner, attr)
         if not (isinstance(norm, TaperNorm) and norm.tapers):
             continue
         scale, shift = norm.affine_map()
-        targets = fold_targets(folded, name)
+        if name not in consumers:
+            raise NormplugError(f"the norm {name} feeds no linear layer the fold knows")
+        targets = consumers[name]
         for linear in targets:
             fold_affine_into_linear(linear, scale.detach(), shift.detach())
         setattr(owner, attr, IdentityNorm(norm.dim))

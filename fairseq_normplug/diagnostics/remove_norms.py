@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from fairseq_normplug.diagnostics import convert
+from fairseq_normplug.diagnostics.fold import fold_affine_into_linear, norm_consumers
 from fairseq_normplug.diagnostics.loading import (
     DEFAULT_GENERATION, LoadedCheckpoint, batches, collect_norm_activations, load_checkpoint,
 )
@@ -100,31 +101,6 @@ def foldable(model) -> Optional[str]:
     return None
 
 
-def norm_consumers(model) -> Dict[str, List[nn.Linear]]:
-    """{folded site: the linear layers its output feeds} of a PreNorm model."""
-    consumers = {}
-    for prefix, stack in (("enc", model.encoder), ("dec", model.decoder)):
-        for index, layer in enumerate(stack.layers):
-            attention = layer.self_attn
-            consumers[f"{prefix}{index}.attn"] = [attention.q_proj, attention.k_proj, attention.v_proj]
-            consumers[f"{prefix}{index}.ffn"] = [layer.fc1]
-            if getattr(layer, "encoder_attn", None) is not None:
-                consumers[f"{prefix}{index}.cross"] = [layer.encoder_attn.q_proj]
-    consumers["enc.final"] = [projection for layer in model.decoder.layers
-                              if getattr(layer, "encoder_attn", None) is not None
-                              for projection in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)]
-    return consumers
-
-
-def fold_into(linear: nn.Linear, norm: FixedStdLayerNorm) -> None:
-    """``linear(norm(x))`` as ``linear'(x)`` (module docstring, step 4), in float64."""
-    weight = linear.weight.double()
-    scaled = weight * (norm.weight.double() / norm.fixed_std.double())
-    with torch.no_grad():
-        linear.bias.copy_(linear.bias.double() + weight @ norm.bias.double())
-        linear.weight.copy_(scaled - scaled.mean(dim=1, keepdim=True))
-
-
 def fold(model):
     """A copy of the fixed-std PreNorm ``model`` whose norms at the folded sites
     (``fixed_std_layer_norm.is_folded_site``) are identities, their maps folded into the linear
@@ -133,8 +109,9 @@ def fold(model):
     norms = named_norms(folded)
     for name, consumers in norm_consumers(folded).items():
         assert is_folded_site(name) and norms[name].uses_fixed_std, name
+        norm = norms[name]  # gamma (x - mean x) / c + beta: module docstring, step 4
         for linear in consumers:
-            fold_into(linear, norms[name])
+            fold_affine_into_linear(linear, norm.weight.detach() / norm.fixed_std, norm.bias.detach(), centred=True)
     return convert.replace_norms(folded, lambda name, norm: IdentityNorm(norm.dim) if is_folded_site(name) else norm)
 
 
