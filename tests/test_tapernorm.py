@@ -188,3 +188,19 @@ def test_fold_is_exact_on_a_random_model(tiny_bin):
                               atol=1e-9)
     assert_incremental_matches_full(model, task)  # (randomises the model again)
     assert_incremental_matches_full(folded, task)
+
+
+def test_at_gate_zero_no_per_token_statistic_is_computed(monkeypatch):
+    """Past END the forward is the affine map alone (the LN branch is not computed, and the
+    gate is read without a device sync); its values are the formula's."""
+    import fairseq_normplug.modules.taper_norm as taper_module
+
+    norm = TaperNorm(8, 2, 4)
+    x = torch.randn(3, 5, 8)
+    norm.train()
+    norm(x)  # calibrates s
+    norm.set_num_updates(4)
+    expected = norm.weight * norm.inv_std * x + norm.bias
+    monkeypatch.setattr(taper_module.F, "layer_norm", lambda *args, **kwargs: pytest.fail("LayerNorm computed at g = 0"))
+    assert norm.gate_value == 0.0
+    torch.testing.assert_close(norm(x), expected)

@@ -95,6 +95,8 @@ class TaperNorm(FormulaNorm):
         self.bias = nn.Parameter(torch.zeros(dim))
         self.register_buffer("gate", torch.tensor(1.0))
         self.register_buffer("inv_std", torch.tensor(0.0))
+        #: the python mirror of ``gate``: forward branches on it without a device sync
+        self.gate_value = 1.0
 
     def _apply(self, fn, recurse=True):
         """``gate`` and ``inv_std`` stay float32 in fp16/bf16 models, as the scalars do."""
@@ -107,12 +109,22 @@ class TaperNorm(FormulaNorm):
     def set_num_updates(self, num_updates: int) -> None:
         if self.tapers:
             self.gate.fill_(taper_gate(num_updates, self.start, self.end))
+            self.gate_value = float(self.gate)  # float32-rounded, as after a checkpoint load
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.gate_value = float(self.gate)
 
     def formula(self, x, weight, bias):
-        """g LN(x) + (1 - g) (gamma s x + beta), in the dtype of ``x``."""
-        normed = F.layer_norm(x, (self.dim,), weight, bias, TAPER_EPS)
-        fixed = torch.addcmul(bias, x * self.inv_std.to(x.dtype), weight)
-        g = self.gate.to(x.dtype)
+        """g LN(x) + (1 - g) (gamma s x + beta), in the dtype of ``x``; at g = 1 only LN(x),
+        at g = 0 only the affine map (no per-token statistic), the same values."""
+        g = self.gate_value
+        normed = F.layer_norm(x, (self.dim,), weight, bias, TAPER_EPS) if g > 0 else None
+        fixed = torch.addcmul(bias, x * self.inv_std.to(x.dtype), weight) if g < 1 else None
+        if fixed is None:
+            return normed
+        if normed is None:
+            return fixed
         return g * normed + (1 - g) * fixed
 
     def calibrate(self, x: torch.Tensor) -> None:
@@ -127,7 +139,7 @@ class TaperNorm(FormulaNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = upcast(x)
-        if self.training and self.tapers and bool(self.gate >= 1):
+        if self.training and self.tapers and self.gate_value >= 1:
             self.calibrate(xf)
         return self.formula(xf, upcast(self.weight), upcast(self.bias)).to(x.dtype)
 
