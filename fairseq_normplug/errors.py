@@ -13,6 +13,16 @@ def exit_with_one_line(error: NormplugError) -> None:
     raise SystemExit(2)
 
 
+def in_hydra_job() -> bool:
+    """Whether this code runs inside a hydra job (fairseq-hydra-train), whose error report is a
+    stack trace: the plugin's refusals then exit with one line themselves."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return False
+    return HydraConfig.initialized()
+
+
 def install_one_line_errors() -> None:
     """Make an uncaught :class:`NormplugError` print ``fairseq-normplug: error: ...`` and exit
     with status 2 (like argparse) instead of a traceback. Other exceptions are untouched."""

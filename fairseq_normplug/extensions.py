@@ -147,6 +147,13 @@ def load_startup_extensions(argv: Optional[Sequence[str]] = None) -> List[str]:
     return names
 
 
+def load_command_line_extensions(argv: Sequence[str]) -> List[str]:
+    """Load the ``--normplug-modules`` of ``argv``, the arguments fairseq is parsing now
+    (:func:`~fairseq_normplug.fairseq_parsing.parse_in_progress`), before the model adds its
+    ``--norm-type`` choices and flags."""
+    return [name for item in command_line_items(argv) for name in load_extensions(item)]
+
+
 def needed_sources(module_names: Iterable[str]) -> List[str]:
     """Where the extensions that define ``module_names`` came from (to record in a checkpoint):
     the loaded extension whose name is the module or a package above it; built-ins give nothing."""

@@ -340,8 +340,9 @@ def test_print_commands_prints_every_command_and_runs_nothing(fake_data, tmp_pat
     # 400 updates x 1000 tokens at ~1,100 target tokens/s (configs/speed.json) = 0.10 hours each
     assert out.count("cost: at most 400 updates x 1000 tokens at 1,100 target tokens/s") == 6
     assert "= 0.10 hours of training" in out
-    assert out.strip().splitlines()[-1].startswith("[print-commands] 6 runs, nothing was run; estimated training "
-                                                   "time of the 6 run(s) with a measured speed: 0.61 hours")
+    assert out.strip().splitlines()[-1].startswith("[print-commands] 6 runs: 0 done (skipped), 0 to resume, 6 to "
+                                                   "train; nothing was run; estimated training time of the 6 "
+                                                   "run(s) to train with a measured speed: 0.61 hours")
 
 
 def test_print_commands_of_the_paper_recipe_before_the_data_is_prepared(tmp_path, capsys):

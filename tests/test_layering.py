@@ -10,9 +10,10 @@ from conftest import REPO
 #: ``__init__`` is the package itself, which registers everything with fairseq.
 LAYERS = (
     # standard library, torch and fairseq only: errors, set-up checks, checkpoint loading,
-    # atomic file writing, the two fairseq wrappers, the plugin's paths, the toy corpus
+    # atomic file writing, the two fairseq wrappers, fairseq's argument parsing, the plugin's
+    # paths, the toy corpus
     {"errors", "install_plan", "checkpoint_compat", "atomic_files", "fairseq_patches", "cli",
-     "synthetic_corpus", "resources"},
+     "fairseq_parsing", "synthetic_corpus", "resources"},
     {"extensions", "hub"},        # loading a researcher's own norms and placements; hub files beside checkpoints
     {"modules", "prepare"},       # norm layers; corpus preparation
     {"optim"},                    # lr schedules; the param group of --norm-weight-decay

@@ -137,8 +137,8 @@ def test_table6_cells_are_compound_split_bleu(tmp_path):
     table3 = md.split("## Table 3")[1].split("## ")[0]
     assert "Cells: tokenized BLEU (multi-bleu.perl on the tokenized test set)." in table3
     # plain tokenized BLEU and sacreBLEU beside it in the runs list
-    assert "| dev BLEU | BLEU | sacreBLEU | compound-split | hyp/ref | p |" in md
-    assert f"| table6 | {FINAL} | {FINAL6} | en-de | ok |  |  |  |  | 26.90 | 26.10 | 27.80 |  | 0.2 |" in md
+    assert "| dev BLEU | BLEU | sacreBLEU | chrF | compound-split | hyp/ref | p |" in md
+    assert f"| table6 | {FINAL} | {FINAL6} | en-de | ok |  |  |  |  | 26.90 | 26.10 |  | 27.80 |  | 0.2 |" in md
     assert f"| table3 | {BASE} | {BASE3} | gl-en | ok | 11000 | 80.0 |  |  | 19.00 |  |  |  |" in md
 
 
@@ -166,7 +166,7 @@ def test_write_results_csv_and_markdown(tmp_path):
     assert "| PreNorm + DyT | *running* | - | - |" in md
     assert "\u2020 p < 0.05, \u2021 p < 0.01" in md
     # every run; the sacreBLEU signature's pipes stay out of the table
-    assert (f"| table3 | {FINAL} | {FINAL3} | gl-en | ok | 12000 | 95.2 | 11000 | 23.40 | 21.50 | 20.10 |  "
+    assert (f"| table3 | {FINAL} | {FINAL3} | gl-en | ok | 12000 | 95.2 | 11000 | 23.40 | 21.50 | 20.10 |  |  "
             f"|  | 0.004 |") in md
     assert "sacreBLEU signature: `nrefs:1|case:mixed|tok:13a`" in md
 
@@ -189,7 +189,7 @@ def test_runs_with_run_on_or_truncated_output_are_flagged(tmp_path):
     assert "| Long | 0.63\u2021" + mark + " | - |" in md and "| Short | 3.50" + mark + " | - |" in md
     assert "| Fine | 20.00 | - |" in md and "| Edges | 10.00 | 11.00 |" in md
     assert "| Unknown | 12.00 | - |" in md and "| Diverged | *diverged* | - |" in md
-    assert "| t | Long | t/aa-bb/Long | aa-bb | ok |  |  |  |  | 0.63" + mark + " |  | 2.200 | 0.001 |" in md
+    assert "| t | Long | t/aa-bb/Long | aa-bb | ok |  |  |  |  | 0.63" + mark + " |  |  | 2.200 | 0.001 |" in md
     assert md.count(mark) == 5  # two table cells, two run-list cells, one footnote
     assert "stopped by" not in md  # no run says which rule ended its training
 

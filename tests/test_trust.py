@@ -533,7 +533,7 @@ def test_preflight_names_a_mistyped_flag_and_a_dev_sentence_over_the_positions(t
     assert code == "reproduce.sh: preflight: 3 problem(s), listed above; nothing was run"
     problems = [line for line in lines if line.startswith("[preflight] PROBLEM: ")]
     assert problems[0] == ("[preflight] PROBLEM: mistakes src-tgt | PreNorm: the flags do not parse: fairseq-train: "
-                           "error: unrecognized arguments: --prenrom")
+                           "error: unrecognized arguments: --prenrom (--prenrom: did you mean --prenorm?)")
     assert problems[1] == (f"[preflight] PROBLEM: src-tgt: {dev} dev sentence(s) longer than the 8 source positions "
                            f"of row 'PreNorm 8 positions' (the longest, #{dev_longest}, has {dev_length} tokens with "
                            f"</s>); raise --max-source-positions or shorten the dev set")
@@ -550,8 +550,9 @@ def test_preflight_of_a_good_table_reports_speed_memory_and_time(trust, main_of)
                       and "tokens/s" in line)
         tokens, rest = report.split(": ", 1)[1].split(" target tokens/s, ")
         assert float(tokens.replace(",", "")) > 0
-        assert " updates/s, peak CPU resident memory " in rest and "1 run(s) x at most 10 updates: " in rest
-    assert lines[-1].startswith("[preflight] 2 configuration(s), 2 run(s): at most ")
+        assert " updates/s, peak CPU resident memory " in rest and "1 run(s) to train x at most 10 updates: " in rest
+    assert lines[-2] == "[preflight] 2 runs: 0 done (skipped), 0 to resume, 2 to train"
+    assert lines[-1].startswith("[preflight] 2 configuration(s), 2 run(s), 2 to train or resume: at most ")
     assert lines[-1].endswith(" free; 0 problem(s)") and not (root / "good").exists()
 
 

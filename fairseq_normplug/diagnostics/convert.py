@@ -54,6 +54,7 @@ from fairseq_normplug.diagnostics.loading import (
     evaluate_model, load_checkpoint, padding_masks, real_rows, resolve_data,
 )
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.portable_paths import shown_path  # noqa: F401 (remove_norms: convert.shown_path)
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
 
 #: calibration batches hold at most this many source tokens each
@@ -288,8 +289,8 @@ def write_report(out: str, report: dict, markdown: str):
 
 def render_markdown(report: dict) -> str:
     """The report's tables: dev numbers per stage, then the fit of every norm site."""
-    lines = [f"# Conversion of {report['checkpoint']} to {report['to']}", "",
-             f"Dev set of {report['data']}; calibration ({report.get('calibration', 'per-norm')}, "
+    lines = [f"# Conversion of {shown_path(report['checkpoint'])} to {report['to']}", "",
+             f"Dev set of {shown_path(report['data'])}; calibration ({report.get('calibration', 'per-norm')}, "
              f"gamma/beta {report.get('affine', 'gamma')}) on {report['calibration_tokens']} training "
              f"tokens; dev BLEU tokenized, beam {report['generation']['beam']}.", "",
              *stage_table(report["stages"])]

@@ -134,8 +134,8 @@ def schedule_state(loaded: LoadedCheckpoint, model) -> dict:
 
 
 def render_markdown(report: dict) -> str:
-    lines = [f"# Removal of the LayerNorms of {report['checkpoint']} (--to none)", "",
-             f"Dev set of {report['data']}; average stds on {report['calibration_tokens']} training "
+    lines = [f"# Removal of the LayerNorms of {convert.shown_path(report['checkpoint'])} (--to none)", "",
+             f"Dev set of {convert.shown_path(report['data'])}; average stds on {report['calibration_tokens']} training "
              f"tokens; fine-tune {report['finetune']['updates']} updates (lr {report['finetune']['lr']:g}), "
              f"first removal after {report['finetune']['removal_start']}, then one every "
              f"{report['finetune']['removal_every']}; dev BLEU tokenized, beam {report['generation']['beam']}.",

@@ -4,6 +4,9 @@
   ``multi-bleu.perl`` (the paper's tables): whitespace tokens, case-sensitive, no smoothing.
 * :func:`sacrebleu_detok`: standard sacreBLEU of detokenized text with its signature string
   (:func:`detokenize` Moses-detokenizes, :func:`remove_bpe` undoes subword splitting).
+* :func:`chrf`: sacreBLEU's chrF2 (character 6-grams, beta 2), or chrF++ (``word_order=2``),
+  with its signature, on the same detokenized hypotheses and references as :func:`sacrebleu_detok`
+  (:func:`detokenized_pair` makes them from the tokenized lines).
 * :func:`compound_split_bleu`: the WMT'14 en-de recipe (fairseq's
   ``scripts/compound_split_bleu.sh``): ``a-b`` becomes ``a ##AT##-##AT## b`` on both sides,
   then tokenized BLEU.
@@ -36,7 +39,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics.base import Metric
 from sacrebleu.significance import PairedTest, _compute_p_value, estimate_ci
 from sacremoses import MosesDetokenizer
 
@@ -147,6 +151,42 @@ def sacrebleu_detok(hyps: Sequence[str], refs: Sequence[str], lang: Optional[str
     return _bleu_score(BLEU(trg_lang=lang or ""), hyps, refs)
 
 
+@dataclass(frozen=True)
+class ChrfScore:
+    """A corpus chrF (chrF2, or chrF++ with ``word_order`` 2) and sacreBLEU's signature of it."""
+    score: float
+    word_order: int
+    signature: str
+
+
+#: the chrF metrics: {name (a key of scores.json and results.csv, and a table metric): word n-gram order}
+CHRF_WORD_ORDERS = {"chrf": 0, "chrf++": 2}
+
+
+def _chrf_metric(word_order: int = 0) -> CHRF:
+    # sacreBLEU's defaults, as `sacrebleu -m chrf [--chrf-word-order 2]`: char order 6, beta 2, case-sensitive
+    return CHRF(word_order=word_order)
+
+
+def chrf(hyps: Sequence[str], refs: Sequence[str], word_order: int = 0) -> ChrfScore:
+    """sacreBLEU's chrF of detokenized ``hyps`` against detokenized ``refs``: chrF2
+    (``word_order`` 0, character n-grams up to 6, beta 2) or chrF++ (``word_order`` 2), equal to
+    ``sacrebleu REFS -i HYPS -m chrf [--chrf-word-order 2]``. Give it the lines sacreBLEU's BLEU
+    scores (:func:`detokenized_pair`)."""
+    _check_parallel(hyps, refs)
+    metric = _chrf_metric(word_order)
+    result = metric.corpus_score(list(hyps), [list(refs)])
+    return ChrfScore(score=result.score, word_order=word_order, signature=str(metric.get_signature()))
+
+
+def detokenized_pair(hyps: Sequence[str], refs: Sequence[str], lang: str,
+                     detok_refs: Optional[Sequence[str]] = None) -> Tuple[List[str], List[str]]:
+    """The detokenized (hypotheses, references) that sacreBLEU and chrF score: the tokenized
+    BPE-free ``hyps`` Moses-detokenized, against ``detok_refs`` (the raw references) or else the
+    Moses-detokenized tokenized ``refs``."""
+    return detokenize(hyps, lang), (detokenize(refs, lang) if detok_refs is None else list(detok_refs))
+
+
 def compound_split(line: str) -> str:
     """``s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`` of fairseq's compound_split_bleu.sh."""
     return COMPOUND_SPLIT.sub(r"\1 ##AT##-##AT## \2", line)
@@ -182,9 +222,12 @@ def _compound_split_lines(lines: Sequence[str]) -> List[str]:
 @dataclass(frozen=True)
 class MetricScorer:
     """How one metric of ``tables.METRICS`` is computed from tokenized, BPE-free lines:
-    ``prepare`` rewrites hypotheses and references alike, ``metric`` builds the sacreBLEU scorer."""
+    ``prepare`` rewrites hypotheses and references alike, ``metric`` builds the sacreBLEU scorer.
+    ``detokenized``: the metric scores the detokenized lines of :func:`detokenized_pair` (chrF,
+    like sacreBLEU), which the caller passes instead of the tokenized ones."""
     prepare: Callable[[Sequence[str]], List[str]]
-    metric: Callable[[], BLEU]
+    metric: Callable[[], Metric]
+    detokenized: bool = False
 
 
 #: the metrics a results table's cells and its significance test can use (tables.CELL_METRICS)
@@ -192,6 +235,10 @@ METRIC_SCORERS: Dict[str, MetricScorer] = {
     "tokenized_bleu": MetricScorer(_unchanged, _tokenized_metric),
     "compound_split_bleu": MetricScorer(_compound_split_lines, _tokenized_metric),
     "multi_bleu_detok": MetricScorer(_unchanged, _multi_bleu_detok_metric),
+    # chrF's sufficient statistics are per-sentence character (and word) n-gram match counts,
+    # summed over a resample before the F-score is computed: resampled like BLEU's
+    "chrf": MetricScorer(_unchanged, lambda: _chrf_metric(CHRF_WORD_ORDERS["chrf"]), detokenized=True),
+    "chrf++": MetricScorer(_unchanged, lambda: _chrf_metric(CHRF_WORD_ORDERS["chrf++"]), detokenized=True),
 }
 
 
@@ -220,7 +267,7 @@ def paired_bootstrap(baseline_hyps: Sequence[str], system_hyps: Sequence[str],
                      refs: Sequence[str], n_samples: int = 1000, seed: int = 12345,
                      metric: str = "tokenized_bleu") -> BootstrapResult:
     """Paired bootstrap resampling (Koehn 2004) of ``metric`` (tokenized BLEU by default; any
-    name of :data:`METRIC_SCORERS`), via sacreBLEU's ``PairedTest(test_type="bs")``: the same
+    name of :data:`METRIC_SCORERS`: for chrF give the detokenized lines of :func:`detokenized_pair`), via sacreBLEU's ``PairedTest(test_type="bs")``: the same
     ``n_samples`` resampled test sets score both systems. A zero observed difference gets
     p = 1: sacreBLEU's strict ``>`` count would otherwise give identical systems
     p = 1/(n_samples+1), i.e. "significant"."""
@@ -234,15 +281,17 @@ def paired_bootstrap(baseline_hyps: Sequence[str], system_hyps: Sequence[str],
         test = PairedTest([("baseline", list(baseline_hyps)), ("system", list(system_hyps))],
                           {"BLEU": scorer.metric()}, [list(refs)], test_type="bs", n_samples=n_samples)
     signatures, scores = test()
-    baseline, system = scores["BLEU"]
+    name, = signatures  # keyed by the score's name: BLEU, chrF2, chrF2++
+    baseline, system = scores[name]
     p_value = 1.0 if system.score == baseline.score else float(system.p_value)
     return BootstrapResult(p_value=p_value, baseline_score=baseline.score, system_score=system.score,
                            system_mean=float(system.mean), system_ci=float(system.ci),
-                           n_samples=n_samples, seed=seed, signature=str(signatures["BLEU"]))
+                           n_samples=n_samples, seed=seed, signature=str(signatures[name]))
 
 
-def _sentence_statistics(metric: BLEU, by_seed: Sequence[Sequence[str]], refs: Sequence[str]) -> List[List[int]]:
-    """Per source sentence, the BLEU sufficient statistics summed over the seeds' translations."""
+def _sentence_statistics(metric: Metric, by_seed: Sequence[Sequence[str]], refs: Sequence[str]) -> List[List[int]]:
+    """Per source sentence, the metric's sufficient statistics (BLEU's n-gram counts, chrF's
+    character/word n-gram match counts) summed over the seeds' translations."""
     per_seed = [metric._extract_corpus_statistics(list(hyps), [list(refs)]) for hyps in by_seed]
     return [[sum(values) for values in zip(*sentence)] for sentence in zip(*per_seed)]
 
@@ -251,7 +300,7 @@ def paired_bootstrap_seeds(baseline_by_seed: Sequence[Sequence[str]], system_by_
                            refs: Sequence[str], n_samples: int = 1000, seed: int = 12345,
                            metric: str = "tokenized_bleu") -> BootstrapResult:
     """Paired bootstrap resampling of ``metric`` over the concatenated test sets of several
-    training seeds. Each system's score is the corpus BLEU of all its seeds' translations
+    training seeds. Each system's score is the corpus score (BLEU, chrF) of all its seeds' translations
     together (the concatenation, seed k of the baseline paired with seed k of the system, in
     the order given). A resample draws source sentences with replacement and takes every
     seed's translation of each drawn sentence, for both systems: the translations of one
@@ -410,7 +459,8 @@ def score_translation(hyps: Sequence[str], refs: Sequence[str], lang: Optional[s
     ``sentences`` and ``multi_bleu_detok`` (:func:`multi_bleu_detok`); with ``lang``:
     ``sacrebleu`` and ``sacrebleu_signature`` (hypotheses Moses-detokenized, against
     ``detok_refs``, the raw references, or else the Moses-detokenized ``refs``); with
-    ``compound_split``: ``compound_split_bleu``; with ``baseline_hyps``: ``p_value``
+    ``chrf``, ``chrf_signature``, ``chrf++`` and ``chrf++_signature`` (:func:`chrf` of the same
+    detokenized lines as sacreBLEU); with ``compound_split``: ``compound_split_bleu``; with ``baseline_hyps``: ``p_value``
     (paired bootstrap of tokenized BLEU), ``baseline_bleu``, ``bootstrap_mean``, ``bootstrap_ci``."""
     _reject_subwords(hyps, "hypothesis")
     _reject_subwords(refs, "reference")
@@ -421,9 +471,10 @@ def score_translation(hyps: Sequence[str], refs: Sequence[str], lang: Optional[s
               "multi_bleu_detok": multi_bleu_detok(hyps, refs).score}
     scores["length_ratio"] = length_ratio(scores)
     if lang:
-        detok = sacrebleu_detok(detokenize(hyps, lang),
-                                detokenize(refs, lang) if detok_refs is None else detok_refs, lang)
+        detok_hyps, detok_lines = detokenized_pair(hyps, refs, lang, detok_refs)
+        detok = sacrebleu_detok(detok_hyps, detok_lines, lang)
         scores.update(sacrebleu=detok.score, sacrebleu_signature=detok.signature)
+        scores.update(chrf_scores(detok_hyps, detok_lines))
     if compound_split:
         scores["compound_split_bleu"] = compound_split_bleu(hyps, refs).score
     if baseline_hyps is not None:
@@ -431,6 +482,16 @@ def score_translation(hyps: Sequence[str], refs: Sequence[str], lang: Optional[s
         scores.update(p_value=test.p_value, baseline_bleu=test.baseline_score,
                       bootstrap_mean=test.system_mean, bootstrap_ci=test.system_ci)
     return scores
+
+
+def chrf_scores(detok_hyps: Sequence[str], detok_refs: Sequence[str]) -> dict:
+    """``chrf``, ``chrf_signature``, ``chrf++``, ``chrf++_signature`` of detokenized lines
+    (:func:`detokenized_pair`), as :func:`score_translation` records them in scores.json."""
+    out = {}
+    for name, word_order in CHRF_WORD_ORDERS.items():
+        score = chrf(detok_hyps, detok_refs, word_order)
+        out.update({name: score.score, f"{name}_signature": score.signature})
+    return out
 
 
 def _hypotheses(generate: Optional[str], hyp: Optional[str], expected: int) -> Optional[List[str]]:
@@ -445,12 +506,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser = argparse.ArgumentParser(
         prog="python -m fairseq_normplug.experiments.bleu",
         description="Score tokenized translations: tokenized BLEU (multi-bleu.perl), optional "
-                    "sacreBLEU, compound-split BLEU and paired bootstrap p-value; prints JSON.")
+                    "sacreBLEU and chrF/chrF++ (with --lang), compound-split BLEU and paired bootstrap p-value; prints JSON.")
     system = parser.add_mutually_exclusive_group(required=True)
     system.add_argument("--generate", help="fairseq-generate output (run with --remove-bpe)")
     system.add_argument("--hyp", help="tokenized hypotheses, one per line")
     parser.add_argument("--ref", required=True, help="tokenized references, one per line")
-    parser.add_argument("--lang", help="target language: also report detokenized sacreBLEU")
+    parser.add_argument("--lang", help="target language: also report detokenized sacreBLEU, chrF and chrF++")
     parser.add_argument("--detok-ref", help="raw (untokenized) references for sacreBLEU (with --lang)")
     parser.add_argument("--compound-split", action="store_true", help="also report compound-split BLEU")
     baseline = parser.add_mutually_exclusive_group()

@@ -14,7 +14,10 @@
   updates with the run's real batching and devices, and validates (dev BLEU too) on one dev
   batch, in a temporary folder outside the run folders: the model builds, and its tokens/s, updates/s, peak memory (GPU memory on GPU,
   the process's resident memory on CPU) and the time of the table's runs at that speed
-  (``--max-update`` updates each: an upper bound, decoding not included) are reported.
+  (``--max-update`` updates each: an upper bound, decoding not included) are reported. Only
+  the runs a real run would train or resume count (runner.training_plan, the re-run's own rule:
+  a kept finished run is skipped, a killed one resumes from its last checkpoint's update); a
+  configuration whose runs are all done is not measured.
 
 It creates no run folder. With ``--launcher slurm`` the same check runs as one short SLURM job
 (:meth:`SlurmLauncher.preflight <fairseq_normplug.experiments.launchers.SlurmLauncher.preflight>`),
@@ -35,7 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.runner import Run, last_flag_value, subword_method
+from fairseq_normplug.experiments.runner import Run, last_flag_value, plan_summary, subword_method, training_plan
 
 #: updates of each configuration's short training
 UPDATES = 4
@@ -217,12 +220,15 @@ def check_table(runs: List[Run], extra_train: Sequence[str], runs_dir: str, resu
             bad_data.add(data_dir)
     configurations: Dict[Tuple[str, ...], List[Run]] = {}
     commands: Dict[Tuple[str, ...], List[str]] = {}
+    plans = {}
     for run in runs:
         try:
             command = run.train_command(list(extra_train))
         except NormplugError as error:
             problem(str(error))
             continue
+        # what the real run does with it (runner.train's rule): only runs to train or resume count
+        plans[run.run_dir] = training_plan(run, command)
         key = configuration_key(command)
         configurations.setdefault(key, []).append(run)
         commands.setdefault(key, command)
@@ -243,6 +249,10 @@ def check_table(runs: List[Run], extra_train: Sequence[str], runs_dir: str, resu
                 problem(line)
             if found:
                 continue
+            training = [run for run in config_runs if plans[run.run_dir].trains]
+            if not training:
+                echo(f"[preflight] {name}: its {len(config_runs)} run(s) are done (skipped): not measured")
+                continue
             folder = os.path.join(scratch, str(number))
             os.makedirs(folder)
             echo(f"[preflight] {name}: training {updates} updates")
@@ -253,16 +263,19 @@ def check_table(runs: List[Run], extra_train: Sequence[str], runs_dir: str, resu
                 continue
             max_update = last_flag_value(command, "--max-update")
             ups = result["updates_per_second"] or updates / max(time.time() - started, 1e-9)
-            hours = int(max_update) / ups / 3600 * len(config_runs) if max_update else None
+            left = [max(int(max_update) - (plans[run.run_dir].last.updates if plans[run.run_dir].last else 0), 0)
+                    for run in training] if max_update else []
+            hours = sum(left) / ups / 3600 if max_update else None
             checkpoint_bytes = max(checkpoint_bytes, result["checkpoint_bytes"])
-            to_train += sum(run.status()["status"] not in ("done", "diverged") for run in config_runs)
-            measured.append({"label": name, "runs": len(config_runs), "hours": hours, **result})
+            to_train += len(training)
+            measured.append({"label": name, "runs": len(training), "hours": hours, **result})
             tokens = result["tokens_per_second"]
             echo(f"[preflight] {name}: {'?' if tokens is None else f'{tokens:,.0f}'} target tokens/s, "
                  f"{ups:.2f} updates/s, peak {result['memory_kind']} memory {result['peak_memory_gb']:.2f} GB, "
                  f"checkpoint {_size(result['checkpoint_bytes'])}; "
-                 + (f"{len(config_runs)} run(s) x at most {max_update} updates: {hours:.2f} hours" if hours is not None
-                    else "no --max-update: no time estimate"))
+                 + (f"{len(training)} run(s) to train x at most {max_update} updates"
+                    + (f" ({sum(left)} left)" if sum(left) != len(training) * int(max_update) else "")
+                    + f": {hours:.2f} hours" if hours is not None else "no --max-update: no time estimate"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     needed = checkpoint_bytes * CHECKPOINTS_PER_RUN * to_train
@@ -271,7 +284,9 @@ def check_table(runs: List[Run], extra_train: Sequence[str], runs_dir: str, resu
         problem(f"the runs folder {runs_dir} has {_size(free)} free, but the {to_train} runs to train need about "
                 f"{_size(needed)} of checkpoints ({CHECKPOINTS_PER_RUN} x {_size(checkpoint_bytes)} each)")
     hours = sum(config["hours"] or 0.0 for config in measured)
-    echo(f"[preflight] {len(configurations)} configuration(s), {len(runs)} run(s): at most {hours:.2f} hours of "
-         f"training one after another at these speeds (decoding not included); checkpoints need about "
+    echo(f"[preflight] {plan_summary(list(plans.values()))}")
+    echo(f"[preflight] {len(configurations)} configuration(s), {len(runs)} run(s), {to_train} to train or resume: "
+         f"at most {hours:.2f} hours of training one after another at these speeds (decoding not included); "
+         f"checkpoints need about "
          f"{_size(needed)}, {_size(free)} free; {len(problems)} problem(s)")
     return {"problems": problems, "configurations": measured, "hours": hours}

@@ -29,8 +29,8 @@ from fairseq_normplug.experiments.configs import (
 from fairseq_normplug.experiments.ownership import live_holder
 from fairseq_normplug.extensions import command_line_items, load_extensions, split_items
 from fairseq_normplug.experiments.runner import (
-    Run, check_data_dir, command_batching, generate_command, last_flag_value, read_scores, run_folder,
-    test_hypotheses, test_references, train_flags,
+    Run, check_data_dir, command_batching, generate_command, last_flag_value, read_scores,
+    plan_summary, run_folder, test_hypotheses, test_references, train_flags, training_plan,
 )
 from fairseq_normplug.experiments.training_log import parse_training_log
 
@@ -92,10 +92,27 @@ def cell_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "
     if not seeds:
         return None
     first = runs[seeds[0]]
-    refs, _ = test_references(first.data_dir, first.tgt)
-    return bleu.paired_bootstrap_seeds([test_hypotheses(baseline[seed], len(refs)) for seed in seeds],
-                                       [test_hypotheses(runs[seed], len(refs)) for seed in seeds],
-                                       refs, metric=metric).p_value
+    refs, detok_refs = test_references(first.data_dir, first.tgt)
+    by_seed = [[test_hypotheses(cell[seed], len(refs)) for seed in seeds] for cell in (baseline, runs)]
+    if bleu.METRIC_SCORERS[metric].detokenized:  # chrF: the detokenized lines sacreBLEU scores
+        by_seed = [[bleu.detokenize(hyps, first.tgt) for hyps in cell] for cell in by_seed]
+        refs = bleu.detokenized_pair([], refs, first.tgt, detok_refs)[1]
+    return bleu.paired_bootstrap_seeds(*by_seed, refs, metric=metric).p_value
+
+
+def chrf_fields(run: Run, scores: dict) -> dict:
+    """``chrf``, ``chrf++`` and ``chrf_signature`` of a scored run: from its scores.json, or, for a
+    scores.json written before chrF was recorded, re-scored from its kept generate-test.txt and the
+    data folder's references (the lines sacreBLEU scores); None where neither is there."""
+    if not scores or "chrf" in scores:
+        return {name: scores.get(name) for name in ("chrf", "chrf++", "chrf_signature")}
+    try:
+        refs, detok_refs = test_references(run.data_dir, run.tgt)
+        hyps = test_hypotheses(run, len(refs))
+    except NormplugError:
+        return {"chrf": None, "chrf++": None, "chrf_signature": None}
+    rescored = bleu.chrf_scores(*bleu.detokenized_pair(hyps, refs, run.tgt, detok_refs))
+    return {name: rescored[name] for name in ("chrf", "chrf++", "chrf_signature")}
 
 
 def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, collecting: bool = False) -> List[dict]:
@@ -121,7 +138,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "table": table.name, "pair": run.pair, "row": run.row.name, "seed": run.seed,
             "config": tables.config_string(run.row.model + run.row.train, run.row.schedule),
             "tokenized_bleu": scores.get("tokenized_bleu"), "sacrebleu": scores.get("sacrebleu"),
-            "sacrebleu_signature": scores.get("sacrebleu_signature"),
+            "sacrebleu_signature": scores.get("sacrebleu_signature"), **chrf_fields(run, scores),
             "compound_split_bleu": scores.get("compound_split_bleu"),
             "multi_bleu_detok": scores.get("multi_bleu_detok"),
             "p_value": p_values[(run.pair, run.row.name)] if scores else None,
@@ -176,12 +193,14 @@ def figure_folders(runs: List[Run], results_dir: str) -> Dict[str, List[Run]]:
 
 
 def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[[str], None] = print,
-                collecting: bool = False) -> List[dict]:
-    """results.csv, results.md and the figures from whatever the runs' folders hold now."""
-    results = result_rows(table, runs, collecting=collecting)
+                collecting: bool = False, metric: Optional[str] = None) -> List[dict]:
+    """results.csv, results.md and the figures from whatever the runs' folders hold now; the
+    cells and p-values in ``metric`` (--metric) instead of the table's configs/paper_results.json one."""
+    paper = tables.with_cell_metric(tables.load_paper_results(), table.name, metric)
+    results = result_rows(table, runs, paper, collecting=collecting)
     try:
         os.makedirs(results_dir, exist_ok=True)
-        tables.write_results(results, results_dir, title=table.title)
+        tables.write_results(results, results_dir, paper, title=table.title)
     except OSError as error:  # a read-only or full results folder: one line, the runs are kept
         raise NormplugError(f"cannot write the results table to {results_dir}: {error.strerror or error}; "
                             f"the runs are kept: fix it and run --collect") from None
@@ -224,7 +243,8 @@ def check_batching(runs: List[Run], extra_train: Sequence[str]) -> None:
 
 def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str, results_dir: str,
               rows: List[str] = (), extra_train: List[str] = (), echo: Callable[[str], None] = print,
-              seeds: Sequence[int] = (1,), launcher=None, echo_failures: bool = True) -> TableResults:
+              seeds: Sequence[int] = (1,), launcher=None, echo_failures: bool = True,
+              metric: Optional[str] = None) -> TableResults:
     """Train and evaluate every (pair, row, seed) run of ``table`` with ``launcher`` (default:
     this machine, one run after another), then write the results table and figures; the last
     lines name the failed runs (``echo_failures=False``: the caller does)."""
@@ -239,7 +259,7 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     shape = f"{per_pair} rows" if len(seeds) == 1 else f"{per_pair // len(seeds)} rows x {len(seeds)} seeds"
     echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {shape})")
     launcher.execute(runs, extra_train, echo)
-    results = write_table(table, runs, results_dir, echo)
+    results = write_table(table, runs, results_dir, echo, metric=metric)
     failed = failed_runs(runs, launcher.logs)
     if echo_failures:
         report_failures(failed, echo)
@@ -252,16 +272,20 @@ def load_speeds(path: str = SPEED_PATH) -> dict:
         return {arch: kinds for arch, kinds in json.load(f).items() if not arch.startswith("_")}
 
 
-def cost_estimate(run: Run, command: List[str], batching, speeds: dict) -> Optional[Tuple[float, str]]:
-    """(hours, explanation) of training ``run`` at a measured speed, or None without one."""
+def cost_estimate(run: Run, command: List[str], batching, speeds: dict,
+                  done_updates: int = 0) -> Optional[Tuple[float, str]]:
+    """(hours, explanation) of training ``run`` at a measured speed, or None without one;
+    ``done_updates``: where a resumed run starts (only the updates left count)."""
     kind = "gpu" if run.num_devices or torch.cuda.is_available() else "cpu"
     speed = speeds.get(run.recipe.arch, {}).get(kind)
     updates = last_flag_value(command, "--max-update")
     if not speed or not updates:
         return None
     per_second = speed["target_tokens_per_second"] * (batching.devices if kind == "gpu" else 1)
-    hours = int(updates) * batching.tokens_per_update / per_second / 3600
-    return hours, (f"at most {int(updates)} updates x {batching.tokens_per_update} tokens at "
+    left = max(int(updates) - done_updates, 0)
+    hours = left * batching.tokens_per_update / per_second / 3600
+    return hours, (f"at most {left} updates{f' (of {int(updates)})' if done_updates else ''} x "
+                   f"{batching.tokens_per_update} tokens at "
                    f"{per_second:,.0f} target tokens/s ({run.recipe.arch} on {kind}: {speed['measured']}) "
                    f"= {hours:.2f} hours of training")
 
@@ -269,15 +293,17 @@ def cost_estimate(run: Run, command: List[str], batching, speeds: dict) -> Optio
 def print_commands(runs: List[Run], launcher, extra_train: Sequence[str], echo: Callable[[str], None] = print) -> None:
     """Every fairseq-train and fairseq-generate command of the runs, with run folder, seed,
     devices, tokens per update and a cost estimate; runs nothing, writes nothing."""
-    speeds, total, unestimated = load_speeds(), 0.0, 0
+    speeds, total, unestimated, training = load_speeds(), 0.0, 0, 0
     if isinstance(launcher, launchers.SlurmLauncher):
         echo(f"[print-commands] SLURM: {launcher.describe_submission()}")
+    plans = []
     for run in runs:
         command = run.train_command(list(extra_train))
         batching = command_batching(command, run.num_devices)
         env = " ".join(f"{key}={value}" for key, value in launcher.env_prefix(run).items())
-        estimate = cost_estimate(run, command, batching, speeds)
-        echo(f"[{run.label}]")
+        plan = training_plan(run, command)  # what a real run does with it (runner.train's rule)
+        plans.append(plan)
+        echo(f"[{run.label}] {plan.describe()}")
         if run.assumed_subword:
             echo(f"  data: {run.data_dir} is not prepared yet (scripts/prepare_*.sh); commands shown "
                  f"for its default subword method, {run.assumed_subword}")
@@ -286,18 +312,23 @@ def print_commands(runs: List[Run], launcher, extra_train: Sequence[str], echo: 
         echo(f"  train: {(env + ' ') if env else ''}{shlex.join(command)}")
         echo(f"  test:  {(env + ' ') if env else ''}"
              f"{shlex.join(generate_command(run, run.path('checkpoints', 'checkpoint_best.pt')))}")
+        if not plan.trains:
+            continue
+        training += 1
+        estimate = cost_estimate(run, command, batching, speeds, plan.last.updates if plan.last else 0)
         if estimate:
             total += estimate[0]
             echo(f"  cost: {estimate[1]}")
         else:
             unestimated += 1
             echo(f"  cost: no measured speed for {run.recipe.arch} on this device kind (configs/speed.json)")
-    estimated = len(runs) - unestimated
-    summary = f"{len(runs)} runs, nothing was run"
+    estimated = training - unestimated
+    summary = f"{plan_summary(plans)}; nothing was run"
     if estimated:
-        summary += (f"; estimated training time of the {estimated} run(s) with a measured speed: {total:.2f} hours "
-                    f"one after another (less with --jobs; decoding not included)")
+        summary += (f"; estimated training time of the {estimated} run(s) to train with a measured speed: "
+                    f"{total:.2f} hours one after another (less with --jobs; decoding not included)")
     echo(f"[print-commands] {summary}")
+
 
 
 def run_state(run: Run) -> dict:
@@ -396,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the extensions the added rows need (.py files, package folders or module names)")
     yours.add_argument("--add-row-schedule", metavar="NAME",
                        help="the added rows' schedule (default: the baseline row's)")
+    parser.add_argument("--metric", metavar="NAME",
+                        help=f"the cells' metric, of the \u2020/\u2021 marks and both p-values: one of "
+                             f"{', '.join(tables.CELL_METRICS)} (default: the table's in configs/paper_results.json, "
+                             f"tokenized_bleu for most; chrf++ is chrF with word bigrams; docs/evaluation.md)")
     what = parser.add_argument_group("instead of running the table")
     what.add_argument("--print-commands", action="store_true",
                       help="print every fairseq-train/-generate command with its run folder, seed, devices, "
@@ -450,6 +485,8 @@ def main(argv=None):
                                 f"exclude each other; pick one")
         if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
             raise NormplugError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+        if args.metric is not None:
+            tables.with_cell_metric({}, args.table, args.metric)  # an unknown metric: one line, before any work
         table = load_table(args.table)
         if args.recipe:
             table = under_recipe(table, args.recipe)
@@ -487,12 +524,12 @@ def main(argv=None):
             elif args.status:
                 print_status(runs)
             else:
-                write_table(table, runs, results_dir, collecting=True)
+                write_table(table, runs, results_dir, collecting=True, metric=args.metric)
                 finished = sum(launchers.failure_of(run) is None for run in runs)
                 print(f"[reproduce] collected {finished} of {len(runs)} runs with a result")
             return
         results = run_table(table, pairs, data_dirs, runs_dir, results_dir, args.rows, extra,
-                            seeds=args.seeds, launcher=launcher)
+                            seeds=args.seeds, launcher=launcher, metric=args.metric)
     except NormplugError as error:
         sys.exit(f"reproduce.sh: error: {error}")
     except KeyboardInterrupt:

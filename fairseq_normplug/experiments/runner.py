@@ -7,6 +7,7 @@ A run lives in its own folder (``runs/<table>/<pair>/<row-slug>/``)::
                          the dictionaries and subword model beside them (fairseq_normplug/hub.py)
     generate-test.txt    fairseq-generate output on the test set
     scores.json          test BLEU (tokenized, sacreBLEU with signature, compound-split for en-de),
+                         chrF and chrF++ with signature (the lines sacreBLEU scores),
                          the selected checkpoint's update and dev BLEU
     status.json          running | done | diverged | failed, with updates and minutes
     owner.lock           while a launcher owns the run (experiments/ownership.py)
@@ -63,7 +64,8 @@ import torch
 from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments import bleu
+from fairseq_normplug.experiments import bleu, portable_paths
+from fairseq_normplug.experiments.command_flags import command_flags, last_flag_value  # noqa: F401 (reproduce, preflight)
 from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table, slug  # noqa: F401 (runner.slug)
 from fairseq_normplug.optim.lr_scheduler.common import PAPER_STOP_LR
 from fairseq_normplug.prepare.bpe import METHODS as SUBWORD_METHODS
@@ -141,18 +143,6 @@ def train_flags(text: str) -> List[str]:
         return shlex.split(text)
     except ValueError as error:
         raise NormplugError(f"--train-flags {text!r}: {error} (it is split like a shell command line)") from None
-
-
-def last_flag_value(flags: List[str], flag: str) -> Optional[str]:
-    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``flags`` (fairseq's argparse:
-    the last occurrence wins), None if absent."""
-    found = None
-    for i, item in enumerate(flags):
-        if item == flag and i + 1 < len(flags):
-            found = flags[i + 1]
-        elif item.startswith(flag + "="):
-            found = item.split("=", 1)[1]
-    return found
 
 
 def decoding_task_flags(decoding: dict) -> List[str]:
@@ -339,6 +329,10 @@ class Run:
         write_json_atomic(self.path("status.json"), status)
         return status
 
+    def roots(self) -> Dict[str, str]:
+        """The folders its recorded command names by placeholder (experiments/portable_paths.py)."""
+        return portable_paths.run_roots(self.run_dir, self.data_dir)
+
     def device_flags(self) -> List[str]:
         return [] if self.num_devices or torch.cuda.is_available() else ["--cpu"]
 
@@ -369,32 +363,21 @@ class Run:
         return command + checkpoint_selection_flags(command)
 
 
-def command_flags(command: List[str]) -> Dict[str, str]:
-    """{flag: its value(s), joined by spaces ('' for a switch)} of a fairseq-train command after
-    the program and its data folder; a flag given twice keeps its last value (argparse's rule)."""
-    flags: Dict[str, str] = {}
-    flag = None
-    for item in command[2:]:
-        if item.startswith("--"):
-            flag, _, value = item.partition("=")
-            flags[flag] = value
-        elif flag is not None:
-            flags[flag] = f"{flags[flag]} {item}".strip()
-    return flags
-
-
 def changed_flags(recorded: List[str], command: List[str]) -> List[str]:
     """How ``command`` differs from the ``recorded`` one a run was trained with, as
-    ``--flag old -> new`` (``(none)`` for an absent flag); paths are not compared (a run folder
-    copied to another machine, or its repository moved, trains the same)."""
+    ``--flag old -> new`` (``(none)`` for an absent flag). Both are compared in their portable
+    form (experiments/portable_paths.py: ``$RUN``, ``$DATA``, ``$PLUGIN``...), so a run folder
+    copied to another machine, or its repository moved, trains the same, and an old record with
+    the absolute paths of the machine that ran it still matches."""
     def shown(value: Optional[str]) -> str:
         return "(none)" if value is None else (value or "(set)")
 
-    old, new = command_flags(recorded), command_flags(command)
+    old = command_flags(portable_paths.recorded_form(recorded))
+    new = command_flags(portable_paths.recorded_form(command))
     changes = []
     for flag in dict.fromkeys([*old, *new]):
         before, after = old.get(flag), new.get(flag)
-        if before == after or (before and after and os.sep in before and os.sep in after):
+        if before == after:
             continue
         changes.append(f"{flag} {shown(before)} -> {shown(after)}")
     return changes
@@ -496,6 +479,71 @@ def progress_line(run: Run, line: str) -> Optional[str]:
     return f"[{run.label}] " + ", ".join(parts)
 
 
+@dataclass
+class TrainingPlan:
+    """What :func:`train` does with a run (``--print-commands`` and ``--preflight`` say it too):
+    ``done`` (finished or diverged: skipped), ``over`` (its last checkpoint already ended training:
+    recorded done without another update), ``resume`` (from ``last.updates``) or ``train``."""
+
+    action: str
+    changes: List[str]
+    last: Optional[checkpoint_safety.CheckpointInfo] = None
+    over: Optional[str] = None
+    state: str = "pending"
+
+    @property
+    def trains(self) -> bool:
+        """It runs fairseq-train (from the start or resumed)."""
+        return self.action in ("resume", "train")
+
+    def trained_with(self, run_dir: str = "the run folder") -> str:
+        return (f" (trained with {'; '.join(self.changes)}: delete {run_dir} to train it with this "
+                "command)" if self.changes else "")
+
+    def describe(self) -> str:
+        """One line: ``done (skipped)``, ``to resume from update N``, ``to train``..."""
+        if self.action == "done":
+            return f"{self.state} (skipped){self.trained_with()}"
+        if self.action == "over":
+            return f"training was over ({self.over}): to record as done, not resumed"
+        changed = f" (the command has changed: {'; '.join(self.changes)})" if self.changes else ""
+        if self.action == "resume":
+            return f"to resume from update {self.last.updates}{changed}"
+        return f"to train{changed}"
+
+
+def training_plan(run: Run, command: List[str], status: Optional[dict] = None,
+                  read_last: bool = True) -> TrainingPlan:
+    """The one rule of what :func:`train` does with ``run`` and its ``command`` (reads, writes
+    nothing): a finished or diverged run is skipped; otherwise its last checkpoint (read as
+    fairseq-train resumes from it) either already ended training under this command's stopping
+    rules, or is resumed, or there is none and it trains from the start. ``read_last=False``:
+    only whether it is skipped (``resume``/``train`` undecided)."""
+    status = run.status() if status is None else status
+    changes = changed_flags(status["command"], command) if status.get("command") else []
+    if status["status"] in ("done", "diverged"):
+        return TrainingPlan("done", changes, state=status["status"])
+    if not read_last:
+        return TrainingPlan("train", changes, state=status["status"])
+    last = checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST))
+    max_update = last_flag_value(command, "--max-update")
+    # the stopping rules of this command (or the schedulers' defaults), not the checkpoint's
+    over = checkpoint_safety.finished(last, int(max_update) if max_update else None,
+                                      int(last_flag_value(command, "--stop-patience") or 0),
+                                      float(last_flag_value(command, "--stop-lr") or PAPER_STOP_LR))
+    action = "over" if over else ("resume" if last is not None else "train")
+    return TrainingPlan(action, changes, last, over, status["status"])
+
+
+def plan_summary(plans: List[TrainingPlan]) -> str:
+    """``18 runs: 15 done (skipped), 0 to resume, 3 to train`` (and the runs whose training was
+    over, recorded done without an update, when there are any)."""
+    count = {action: sum(plan.action == action for plan in plans) for action in ("done", "over", "resume", "train")}
+    over = f", {count['over']} over (recorded done)" if count["over"] else ""
+    return (f"{len(plans)} runs: {count['done']} done (skipped){over}, {count['resume']} to resume, "
+            f"{count['train']} to train")
+
+
 def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) -> dict:
     """Train (or resume) ``run``; returns its status. Finished and diverged runs are skipped.
 
@@ -504,11 +552,10 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     whose last checkpoint already ended training is recorded as done without another update."""
     status = run.status()
     command = run.train_command(list(extra))
-    changes = changed_flags(status["command"], command) if status.get("command") else []
-    if status["status"] in ("done", "diverged"):
-        trained_with = (f" (trained with {'; '.join(changes)}: delete {run.run_dir} to train it with this "
-                        "command)" if changes else "")
-        echo(f"[{run.label}] {status['status']}: skipped{trained_with}")
+    plan = training_plan(run, command, status, read_last=False)
+    changes = plan.changes
+    if plan.action == "done":
+        echo(f"[{run.label}] {status['status']}: skipped{plan.trained_with(run.run_dir)}")
         return status
     if changes:
         echo(f"[{run.label}] the command has changed since this run started: {'; '.join(changes)}")
@@ -516,12 +563,8 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
     for action in checkpoint_safety.repair(run.path("checkpoints")):
         echo(f"[{run.label}] checkpoints: {action}")
     minutes_before = status.get("minutes", 0.0)
-    last = checkpoint_safety.read_checkpoint(run.path("checkpoints", checkpoint_safety.LAST))
-    max_update = last_flag_value(command, "--max-update")
-    # the stopping rules of this command (or the schedulers' defaults), not the checkpoint's
-    over = checkpoint_safety.finished(last, int(max_update) if max_update else None,
-                                      int(last_flag_value(command, "--stop-patience") or 0),
-                                      float(last_flag_value(command, "--stop-lr") or PAPER_STOP_LR))
+    plan = training_plan(run, command, status)  # the checkpoints as repaired
+    last, over, max_update = plan.last, plan.over, last_flag_value(command, "--max-update")
     if over:
         echo(f"[{run.label}] training was over ({over}); not resumed")
         return _training_done(run, minutes_before, last.updates,
@@ -534,7 +577,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
         echo(f"[{run.label}] no checkpoint to resume from: starting again (old log: {stale})")
         minutes_before = 0.0
     started = time.time()
-    run.set_status(status="running", command=command)
+    run.set_status(status="running", command=portable_paths.to_portable(command, run.roots()))
     echo(f"[{run.label}] training ({'resuming' if last is not None else 'starting'}); "
          f"log: {run.path('train.log')}")
     tail, diverged, uniform = [], None, uniform_guess_bits(run)
@@ -546,8 +589,9 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
                       f"the command has changed since this run started: {'; '.join(changes)}\n")
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, **run.env(), "PYTHONUNBUFFERED": "1"})
+        roots = run.roots()
         for line in proc.stdout:
-            log.write(line)
+            log.write(portable_paths.portable_text(line, roots))  # a portable record too (docs/experiments.md)
             tail = (tail + [line])[-200:]
             summary = progress_line(run, line)
             if summary:
@@ -695,7 +739,7 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
     scores = {**score_generation(output, run.data_dir, run.tgt), **selected_checkpoint(checkpoint)}
     write_json_atomic(scores_path, scores)
     echo(f"[{run.label}] update {scores['selected_update']} (dev BLEU {scores['dev_bleu']}): test BLEU "
-         f"{scores['tokenized_bleu']:.2f} (tokenized), sacreBLEU {scores['sacrebleu']:.2f}")
+         f"{scores['tokenized_bleu']:.2f} (tokenized), sacreBLEU {scores['sacrebleu']:.2f}, chrF {scores['chrf']:.2f}")
     return scores
 
 
@@ -711,8 +755,8 @@ def test_hypotheses(run: "Run", expected: int) -> List[str]:
 
 
 def score_generation(generate_output: str, data_dir: str, tgt: str) -> dict:
-    """Tokenized BLEU (the paper's), detokenized sacreBLEU with signature and, for German
-    targets, the WMT recipe's compound-split BLEU."""
+    """Tokenized BLEU (the paper's), detokenized sacreBLEU and chrF/chrF++ with signatures and,
+    for German targets, the WMT recipe's compound-split BLEU."""
     refs_tok, refs_detok = test_references(data_dir, tgt)
     hyps = bleu.read_fairseq_generate(generate_output, expected=len(refs_tok)).hypotheses
     return bleu.score_translation(hyps, refs_tok, lang=tgt, detok_refs=refs_detok,

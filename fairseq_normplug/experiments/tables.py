@@ -12,7 +12,9 @@ A result row is a dict with the keys of :data:`FIELDS`:
   published numbers of configs/paper_results.json are matched against it);
 * ``seed``: the training seed (1 when absent); a cell of results.md is every seed of one
   (row, pair);
-* ``tokenized_bleu``: tokenized BLEU; ``sacrebleu`` + ``sacrebleu_signature``;
+* ``tokenized_bleu``: tokenized BLEU; ``sacrebleu`` + ``sacrebleu_signature``; ``chrf`` (chrF2)
+  and ``chrf++`` (chrF++) of the same detokenized lines as sacreBLEU, ``chrf_signature`` (chrF2's;
+  chrF++'s is the same with ``nw:2``);
   ``compound_split_bleu`` (German targets), ``multi_bleu_detok``: the other metrics of
   :data:`METRICS`. A table's cells show its ``metric`` (configs/paper_results.json, default
   tokenized BLEU; Table 6: compound-split BLEU);
@@ -43,6 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.portable_paths import default_roots, to_portable
 from fairseq_normplug.models.placements import MODIFIERS, placement_label
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.resources import CONFIG_DIR
@@ -50,10 +53,10 @@ from fairseq_normplug.resources import CONFIG_DIR
 PAPER_RESULTS_PATH = os.path.join(CONFIG_DIR, "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not started (--collect)
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
-          "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
+          "chrf", "chrf++", "chrf_signature", "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
           "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by", "seeds_p_value")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
-FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
+FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "chrf", "chrf++", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
                 "compound_split_bleu", "multi_bleu_detok", "seeds_p_value")
 INT_FIELDS = ("updates", "selected_update", "seed")
 DEFAULT_SEED = 1
@@ -64,12 +67,16 @@ METRICS = {
                            "as fairseq's WMT'14 en-de recipe reports it)",
     "multi_bleu_detok": "detokenized BLEU (multi-bleu-detok.perl: mteval-v13a tokenization inside, no smoothing)",
     "sacrebleu": "sacreBLEU (detokenized text, sacreBLEU's tokenizer, see its signature)",
+    "chrf": "chrF (sacreBLEU's chrF2: character 6-grams, beta 2, on sacreBLEU's detokenized text, see its signature)",
+    "chrf++": "chrF++ (sacreBLEU's chrF2++: chrF2 plus word 1-2-grams, on sacreBLEU's detokenized text)",
 }
 #: column headers of the metrics in the runs list
 METRIC_COLUMNS = {"tokenized_bleu": "BLEU", "compound_split_bleu": "compound-split",
-                  "multi_bleu_detok": "multi-bleu-detok", "sacrebleu": "sacreBLEU"}
-#: metrics a table's cells (and so its significance test) can use: computed from tokenized lines
-CELL_METRICS = ("tokenized_bleu", "compound_split_bleu", "multi_bleu_detok")
+                  "multi_bleu_detok": "multi-bleu-detok", "sacrebleu": "sacreBLEU", "chrf": "chrF",
+                  "chrf++": "chrF++"}
+#: metrics a table's cells (and so its significance test) can use (bleu.METRIC_SCORERS): computed
+#: from the tokenized lines, or, chrF and chrF++, from the detokenized lines sacreBLEU scores
+CELL_METRICS = ("tokenized_bleu", "compound_split_bleu", "multi_bleu_detok", "chrf", "chrf++")
 DEFAULT_METRIC = "tokenized_bleu"
 #: what identifies a configuration: {attribute: how it is read from a row's flags}
 CONFIGURATION_KEYS = {
@@ -188,6 +195,17 @@ def checked_paper_results(paper: dict, where: str = "paper results") -> dict:
     return paper
 
 
+def with_cell_metric(paper: dict, table: str, metric: Optional[str]) -> dict:
+    """``paper`` with ``table``'s cells in ``metric`` (one of :data:`CELL_METRICS`; reproduce.sh
+    --metric), a copy; ``paper`` itself when ``metric`` is None."""
+    if metric is None:
+        return paper
+    _check_metric(metric, "--metric", CELL_METRICS)
+    tables = dict(paper.get("tables", {}))
+    tables[table] = {**tables.get(table, {}), "metric": metric}
+    return {**paper, "tables": tables}
+
+
 def cell_metric(paper: dict, table: str) -> str:
     """The metric of ``table``'s cells: its ``metric`` in configs/paper_results.json, else tokenized BLEU."""
     return paper.get("tables", {}).get(table, {}).get("metric", DEFAULT_METRIC)
@@ -198,8 +216,9 @@ def references(paper: dict, table: str) -> List[Reference]:
 
 
 def config_string(flags: Sequence[str], schedule: str) -> str:
-    """A result row's ``config``: the row's model (and train) flags, then ``schedule=NAME``."""
-    return " ".join([*flags, f"schedule={schedule}"])
+    """A result row's ``config``: the row's model (and train) flags, then ``schedule=NAME``; a
+    path in portable form (``$CHECKOUT/examples/...``: experiments/portable_paths.py)."""
+    return " ".join([*to_portable(flags, default_roots()), f"schedule={schedule}"])
 
 
 def _parse_flags(tokens: Sequence[str]) -> Dict[str, object]:
@@ -485,12 +504,12 @@ def _table_section(table: str, runs: List[dict], paper: dict) -> List[str]:
 
 
 def _extra_metrics(rows: Sequence[dict], paper: dict) -> List[str]:
-    """Metrics the runs list shows beside tokenized BLEU and sacreBLEU: each table's cell
+    """Metrics the runs list shows beside tokenized BLEU, sacreBLEU and chrF: each table's cell
     metric and the metrics of its published numbers."""
     tables = list(dict.fromkeys(row["table"] for row in rows))
     wanted = [cell_metric(paper, table) for table in tables]
     wanted += [reference.metric for table in tables for reference in references(paper, table)]
-    return [metric for metric in METRICS if metric in wanted and metric not in ("tokenized_bleu", "sacrebleu")]
+    return [metric for metric in METRICS if metric in wanted and metric not in ("tokenized_bleu", "sacrebleu", "chrf")]
 
 
 def _p(p_value: Optional[float]) -> str:
@@ -509,7 +528,7 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
     stops = any(r["stopped_by"] for r in rows)  # the rule that ended each training, when known
     head = ["table", "row", "config", "pair"] + (["seed"] if seeds else []) + [
         "status", "updates"] + (["stopped by"] if stops else []) + [
-        "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU"] + [
+        "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU", "chrF"] + [
         METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"] + (["p (seeds)"] if seeds else [])
     align = ["---"] * (5 if seeds else 4) + ["---", "---:"] + (["---"] if stops else []) + \
         ["---:"] * (len(head) - (7 if seeds else 6) - stops)
@@ -522,7 +541,7 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
         values = [r["table"], r["row"], r["config"], r["pair"]] + ([r["seed"]] if seeds else []) + [
             r["status"], "" if r["updates"] is None else r["updates"]] + ([r["stopped_by"] or ""] if stops else []) + [
             _num(r["minutes"], 1), "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
-            bleu, sacre] + [_num(r[m]) for m in extra] + [
+            bleu, sacre, _num(r["chrf"])] + [_num(r[m]) for m in extra] + [
             _num(r["length_ratio"], 3), _p(r["p_value"])] + ([_p(r["seeds_p_value"])] if seeds else [])
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")
@@ -530,6 +549,11 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
         lines += [f"sacreBLEU signature: `{signatures[0]}`", ""]
     elif signatures:
         lines += [f"[{i}] sacreBLEU signature: `{sig}`  " for i, sig in enumerate(signatures, 1)] + [""]
+    chrf_signatures = list(dict.fromkeys(r["chrf_signature"] for r in rows if r["chrf_signature"]))
+    if chrf_signatures:
+        lines += [f"chrF signature{'s' if len(chrf_signatures) > 1 else ''}: "
+                  + ", ".join(f"`{sig}`" for sig in chrf_signatures)
+                  + (" (chrF++: the same with `nw:2`)" if "chrf++" in extra else ""), ""]
     return lines
 
 

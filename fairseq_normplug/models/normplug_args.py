@@ -15,7 +15,8 @@ from fairseq_normplug.models.output_layer_args import (
     add_output_layer_args,
     resolve_output_layer_args,
 )
-from fairseq_normplug.modules.norm_registry import NormType, add_norm_type_args, resolve_norm_type
+from fairseq_normplug.modules.norm_registry import (NormType, add_norm_type_args, resolve_norm_type,
+                                                     zero_centered_gamma_types)
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
 
 DEFAULTS = {
@@ -48,7 +49,7 @@ def add_normplug_args(parser) -> None:
     add("--zero-centered-gamma", action="store_true",
         help="store each norm's per-channel gain as gamma, init 0, applied as 1+gamma "
              "(TransformerEngine zero_centered_gamma, Megatron --apply-layernorm-1p): weight decay "
-             "pulls the gain to 1; layernorm, rmsnorm, dyt, derf, dyisru")
+             "pulls the gain to 1; applies to " + ", ".join(zero_centered_gamma_types()))
     add("--fixnorm", action="store_true",
         help="FixNorm: l2-normalised word embeddings, U(-0.01,0.01) init, tied output layer "
              "(implies --share-decoder-input-output-embed unless --share-all-embeddings)")

@@ -147,18 +147,33 @@ def check_hydra_model_config(cfg) -> None:
     parser = flag_parser(ARCH_MODEL_REGISTRY[arch].add_args)
     actions = {action.dest: action for action in parser._actions}
     values = {k: v for k, v in OmegaConf.to_container(model, resolve=True).items() if k != "_name"}
-    unknown = [key for key in values if key not in actions]
+    check_model_setting_names(values, arch, actions)
+    parsed = vars(parser.parse_args(_argv(actions, values)))
+    for dest in values:
+        if dest in parsed:
+            model[dest] = parsed[dest]
+    ARCH_CONFIG_REGISTRY[arch](_flat_namespace(cfg))  # the preset and every plugin check, on a copy
+
+
+def check_model_setting_names(values, arch: str, actions: Optional[Dict[str, argparse.Action]] = None) -> None:
+    """Refuse, naming the closest settings, a key of a hydra model config ``values`` (a mapping,
+    e.g. ``cfg.model``) that is neither a flag of ``--arch arch`` nor a field its preset fills."""
+    from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
+
+    if actions is None:
+        actions = flag_actions(ARCH_MODEL_REGISTRY[arch].add_args)
+    unknown = [key for key in values if key != "_name" and key not in actions]
+    if not unknown:
+        return
+    preset_fields = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY[arch](preset_fields)  # fairseq's own derived fields (decoder_input_dim)
+    unknown = [key for key in unknown if key not in vars(preset_fields)]
     if unknown:
         near = difflib.get_close_matches(unknown[0], actions, n=3)
         raise NormplugError(
             f"unknown model setting {unknown[0]!r} for {arch}"
             + (f" (did you mean {' or '.join(map(repr, near))}?)" if near else "")
             + f"; the settings are the flags of fairseq-train --arch {arch} --help, with '_' for '-'")
-    parsed = vars(parser.parse_args(_argv(actions, values)))
-    for dest in values:
-        if dest in parsed:
-            model[dest] = parsed[dest]
-    ARCH_CONFIG_REGISTRY[arch](_flat_namespace(cfg))  # the preset and every plugin check, on a copy
 
 
 def _flat_namespace(cfg) -> argparse.Namespace:

@@ -26,12 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 from fairseq.models import register_model
 from fairseq.models.transformer import TransformerModel
+from omegaconf import OmegaConf
 
-from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.errors import NormplugError, exit_with_one_line, in_hydra_job
+from fairseq_normplug.extensions import load_command_line_extensions
+from fairseq_normplug.fairseq_parsing import one_line_errors, parse_in_progress
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
-from fairseq_normplug.models.normplug_config import resolved_config
+from fairseq_normplug.models.normplug_config import check_model_setting_names, resolved_config
 from fairseq_normplug.models.placements.layers import LayerPlan, PlacedDecoder, PlacedEncoder
 from fairseq_normplug.modules.auto_init import AutoScaleInit
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
@@ -112,11 +115,25 @@ class TransformerNormplugModel(TransformerModel):
 
     @classmethod
     def add_args(cls, parser):
+        parse = parse_in_progress()
+        one_line_errors(parse.parser)  # a misspelt or bad flag: one line, the nearest flags named
+        load_command_line_extensions(parse.argv)  # an extension's norms and flags, from input_args too
         super().add_args(parser)
         add_normplug_args(parser)
 
     @classmethod
     def build_model(cls, args, task):
+        try:
+            if OmegaConf.is_config(args):  # a hydra cfg.model, through any door (plain fairseq-hydra-train too)
+                check_model_setting_names(args, args._name)
+            return cls._build_model(args, task)
+        except NormplugError as error:
+            if in_hydra_job():  # hydra would print the error with a stack trace and exit 1
+                exit_with_one_line(error)
+            raise
+
+    @classmethod
+    def _build_model(cls, args, task):
         settings = resolve_normplug_args(args)
         if getattr(args, "share_all_embeddings", False) and task.source_dictionary != task.target_dictionary:
             raise NormplugError(

@@ -1,0 +1,115 @@
+"""Every fairseq door reads the model's settings strictly: an in-process
+``options.parse_args_and_arch(input_args=[..., "--normplug-modules", ...])`` loads the extension
+it names, and a hydra ``cfg.model`` with a misspelt key is refused in one line by the model's
+own ``build_model``, through plain ``fairseq-hydra-train`` with ``common.user_dir`` too."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from fairseq import options, tasks
+from omegaconf import OmegaConf
+
+from conftest import REPO, cli
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.transformer_normplug import TransformerNormplugModel
+
+PLUGIN = os.path.join(REPO, "fairseq_normplug")
+
+
+def write_dictionaries(folder) -> str:
+    words = "\n".join(f"w{i} 1" for i in range(20)) + "\n"
+    for lang in ("src", "tgt"):
+        (folder / f"dict.{lang}.txt").write_text(words)
+    return str(folder)
+
+
+def test_parse_args_and_arch_loads_normplug_modules_from_input_args(tmp_path):
+    # a module of its own name, so that no other test can have loaded it into this process
+    name = f"door_norm_{os.getpid()}"
+    extension = tmp_path / f"{name}.py"
+    extension.write_text(textwrap.dedent(f"""
+        from fairseq_normplug import FormulaNorm, register_norm
+
+        @register_norm("{name}", per_channel_gain=True)
+        class DoorNorm(FormulaNorm):
+            \"\"\"y = g * x / max|x| (a test norm).\"\"\"
+
+            @staticmethod
+            def add_args(parser):
+                parser.add_argument("--door-norm-floor", type=float, default=1e-6)
+
+            def __init__(self, dim, args):
+                super().__init__(dim)
+                self.floor = args.door_norm_floor
+                self.weight = self.new_gain()
+
+            def formula(self, x, weight):
+                return weight * x / x.abs().amax(-1, keepdim=True).clamp(min=self.floor)
+    """))
+    data = write_dictionaries(tmp_path)
+    assert "--normplug-modules" not in sys.argv
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, input_args=[
+        data, "--user-dir", PLUGIN, "--task", "translation_normplug", "--source-lang", "src",
+        "--target-lang", "tgt", "--arch", "transformer_normplug_tiny", "--normplug-modules", str(extension),
+        "--norm-type", name, "--door-norm-floor", "0.5", "--cpu"])
+    assert args.norm_type == name and args.door_norm_floor == 0.5
+    model = tasks.setup_task(args).build_model(args)
+    norms = [module for module in model.modules() if type(module).__name__ == "DoorNorm"]
+    assert norms and all(norm.floor == 0.5 for norm in norms)
+    assert args.normplug_modules == str(extension)  # recorded for the checkpoint (absolute path)
+
+
+def test_a_misspelt_hydra_model_key_is_refused_by_build_model(tmp_path):
+    data = write_dictionaries(tmp_path)
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, input_args=[
+        data, "--user-dir", PLUGIN, "--task", "translation_normplug", "--source-lang", "src",
+        "--target-lang", "tgt", "--arch", "transformer_normplug_tiny", "--cpu"])
+    task = tasks.setup_task(args)
+    model_cfg = OmegaConf.create({"_name": "transformer_normplug_tiny", "prenrom": True})
+    with pytest.raises(NormplugError, match=r"unknown model setting 'prenrom' .*did you mean 'prenorm'"):
+        TransformerNormplugModel.build_model(model_cfg, task)
+    # the same config without the typo builds PreNorm (fairseq's preset fills the rest)
+    good = OmegaConf.create({"_name": "transformer_normplug_tiny", "prenorm": True})
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+    from omegaconf import open_dict
+    with open_dict(good):
+        ARCH_CONFIG_REGISTRY["transformer_normplug_tiny"](good)
+    torch.manual_seed(1)
+    model = TransformerNormplugModel.build_model(good, task)
+    assert model.encoder.layers[0].normalize_before
+
+
+@pytest.mark.slow
+def test_plain_fairseq_hydra_train_with_user_dir_refuses_a_typo_in_one_line(tiny_bin, tmp_path):
+    proc = subprocess.run(
+        [cli("fairseq-hydra-train"), f"common.user_dir={PLUGIN}", "+task._name=translation_normplug",
+         f"+task.data={tiny_bin}", "+model._name=transformer_normplug_tiny", "+model.prenrom=true",
+         "common.cpu=true", "optimization.max_update=2", "dataset.max_tokens=500", "criterion=cross_entropy",
+         "optimizer=adam", "lr_scheduler=fixed", f"checkpoint.save_dir={tmp_path}/checkpoints"],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "fairseq-normplug: error: unknown model setting 'prenrom' for transformer_normplug_tiny (did you mean 'prenorm'?)")
+    assert not list((tmp_path / "checkpoints").glob("*.pt"))  # nothing trained, nothing saved
+
+
+def test_fairseq_train_flag_errors_are_one_line_naming_the_nearest_flag(tmp_path, capsys):
+    data = write_dictionaries(tmp_path)
+    base = [data, "--user-dir", PLUGIN, "--task", "translation_normplug", "--source-lang", "src",
+            "--target-lang", "tgt", "--arch", "transformer_normplug_tiny", "--cpu"]
+    for extra, expected in [
+        (["--prenrom"], "train.py: error: unrecognized arguments: --prenrom (--prenrom: did you mean --prenorm?)"),
+        (["--norm-type", "foo"], "train.py: error: argument --norm-type: invalid choice: 'foo' (choose from "),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            options.parse_args_and_arch(options.get_training_parser(), input_args=base + extra)
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "usage:" not in err, err[:500]
+        assert err.split(": error: ", 1)[1].startswith(expected.split(": error: ", 1)[1]), err
