@@ -83,6 +83,18 @@ def _scored(run: Run) -> bool:
     return read_scores(run.path("scores.json")) is not None
 
 
+def _cell_lines(seeds_of_row: Sequence[List[Run]], metric: str) -> Tuple[List[List[List[str]]], List[str]]:
+    """The test hypotheses of each row's given runs (one list per seed) and the references, as
+    ``metric`` scores them: tokenized, or for chrF the detokenized lines sacreBLEU scores."""
+    first = seeds_of_row[0][0]
+    refs, detok_refs = test_references(first.data_dir, first.tgt)
+    by_seed = [[test_hypotheses(run, len(refs)) for run in row] for row in seeds_of_row]
+    if bleu.METRIC_SCORERS[metric].detokenized:  # chrF: the detokenized lines sacreBLEU scores
+        by_seed = [[bleu.detokenize(hyps, first.tgt) for hyps in row] for row in by_seed]
+        refs = bleu.detokenized_pair([], refs, first.tgt, detok_refs)[1]
+    return by_seed, refs
+
+
 def cell_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "tokenized_bleu") -> Optional[float]:
     """The p-value of one cell ({seed: run}) against its baseline row's cell on the same pair:
     paired bootstrap of ``metric`` over the concatenated test sets of the seeds that both
@@ -91,13 +103,21 @@ def cell_p_value(runs: Dict[int, Run], baseline: Dict[int, Run], metric: str = "
     seeds = sorted(seed for seed in runs if seed in baseline and _scored(runs[seed]) and _scored(baseline[seed]))
     if not seeds:
         return None
-    first = runs[seeds[0]]
-    refs, detok_refs = test_references(first.data_dir, first.tgt)
-    by_seed = [[test_hypotheses(cell[seed], len(refs)) for seed in seeds] for cell in (baseline, runs)]
-    if bleu.METRIC_SCORERS[metric].detokenized:  # chrF: the detokenized lines sacreBLEU scores
-        by_seed = [[bleu.detokenize(hyps, first.tgt) for hyps in cell] for cell in by_seed]
-        refs = bleu.detokenized_pair([], refs, first.tgt, detok_refs)[1]
+    by_seed, refs = _cell_lines([[cell[seed] for seed in seeds] for cell in (baseline, runs)], metric)
     return bleu.paired_bootstrap_seeds(*by_seed, refs, metric=metric).p_value
+
+
+def cell_seed_aware_test(runs: Dict[int, Run], baseline: Dict[int, Run],
+                         metric: str = "tokenized_bleu") -> Optional[bleu.SeedAwareBootstrapResult]:
+    """The test behind a cell's mark (bleu.seed_aware_bootstrap): every finished seed of the
+    cell against every finished seed of its baseline row's cell on the same pair, test sentences
+    and training seeds resampled together (with one seed each, sacreBLEU's paired bootstrap).
+    None when either cell has no finished seed."""
+    finished = [[cell[seed] for seed in sorted(cell) if _scored(cell[seed])] for cell in (baseline, runs)]
+    if not all(finished):
+        return None
+    by_seed, refs = _cell_lines(finished, metric)
+    return bleu.seed_aware_bootstrap(*by_seed, refs, metric=metric)
 
 
 def chrf_fields(run: Run, scores: dict) -> dict:
@@ -125,11 +145,12 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
     cells: Dict[tuple, Dict[int, Run]] = {}
     for run in runs:
         cells.setdefault((run.pair, run.row.name), {})[run.seed] = run
-    p_values = {}
+    p_values, seed_aware = {}, {}
     for (pair, row_name), cell in cells.items():
         baseline_name = next(iter(cell.values())).row.baseline
         baseline = cells.get((pair, baseline_name)) if baseline_name else None
         p_values[(pair, row_name)] = cell_p_value(cell, baseline, metric) if baseline else None
+        seed_aware[(pair, row_name)] = cell_seed_aware_test(cell, baseline, metric) if baseline else None
     out = []
     for run in runs:
         status = run.status()
@@ -143,6 +164,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "multi_bleu_detok": scores.get("multi_bleu_detok"),
             "p_value": p_values[(run.pair, run.row.name)] if scores else None,
             "seeds_p_value": None,
+            "p_value_seed_aware": _field(seed_aware[(run.pair, run.row.name)], "p_value") if scores else None,
             "length_ratio": bleu.length_ratio(scores),
             "status": result_status(run, collecting),
             "updates": status.get("updates"), "minutes": status.get("minutes"),
@@ -162,6 +184,10 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
                     seed_scores.get((run.pair, run.row.baseline), []), seed_scores[cell])
             row["seeds_p_value"] = seeds_p_values[cell]
     return out
+
+
+def _field(result, name: str):
+    return None if result is None else getattr(result, name)
 
 
 class TableResults(list):

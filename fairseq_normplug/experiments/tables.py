@@ -23,6 +23,9 @@ A result row is a dict with the keys of :data:`FIELDS`:
 * ``seeds_p_value``: the cell's p-value over training seeds against the same baseline (exact
   permutation test of the per-seed scores in the table's metric); None unless both cells have
   2 or more finished seeds;
+* ``p_value_seed_aware``: the cell's p-value of the test behind its mark, against the same
+  baseline: test sentences and training seeds resampled together (bleu.seed_aware_bootstrap,
+  every finished seed of both rows; with one seed each, the paired bootstrap); None for a baseline;
 * ``length_ratio``: test hypotheses' token length over the references' (``sys_len / ref_len``);
   outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
@@ -54,10 +57,10 @@ PAPER_RESULTS_PATH = os.path.join(CONFIG_DIR, "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not started (--collect)
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "chrf", "chrf++", "chrf_signature", "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
-          "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by", "seeds_p_value")
+          "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by", "seeds_p_value", "p_value_seed_aware")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
 FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "chrf", "chrf++", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
-                "compound_split_bleu", "multi_bleu_detok", "seeds_p_value")
+                "compound_split_bleu", "multi_bleu_detok", "seeds_p_value", "p_value_seed_aware")
 INT_FIELDS = ("updates", "selected_update", "seed")
 DEFAULT_SEED = 1
 #: every metric a published number or a table's cells can be in: {name: what it is}
@@ -94,6 +97,8 @@ CONFIGURATION_KEYS = {
 DEFAULT_STOP_LR = 5e-5
 REFERENCE_KEYS = {"source", "metric", "configuration", "description", "recipe", "note", "bleu"}
 TABLE_KEYS = {"title", "pairs", "metric", "references"}
+#: the results.csv field whose p-value decides a cell's mark
+MARK_P_FIELD = "p_value_seed_aware"
 SIGNIFICANCE_MARKS = ((0.01, "\u2021"), (0.05, "\u2020"))  # double dagger, dagger
 #: a BLEU whose hypotheses are this much shorter or longer than the references is flagged
 LENGTH_RATIO_RANGE = (0.5, 2.0)
@@ -104,12 +109,13 @@ LEGEND = (
     "metric (other published numbers are listed under the table, with the reason); `-` no run. "
     "With several seeds a cell is the mean \u00b1 sample standard deviation over the seeds that "
     "finished, and [k/n diverged] (failed, running) counts the others. "
-    "\u2020 p < 0.05, \u2021 p < 0.01 against the table's baseline row (paired bootstrap "
-    "resampling, 1000 resamples, in the table's metric, over the concatenated test sets of the "
-    "seeds both rows finished, each source sentence resampled with all its seeds' translations; "
-    "docs/evaluation.md). That test measures test-set sampling, not the spread between training "
-    "seeds: with several seeds the runs list adds p (seeds), an exact permutation test of the two "
-    "rows' per-seed scores (its smallest value is 0.1 with 3 seeds against 3). "
+    "\u2020 p < 0.05, \u2021 p < 0.01 against the table's baseline row, in the table's metric, from a "
+    "paired bootstrap that resamples test sentences and training seeds together (10,000 resamples, "
+    "every finished seed of both rows; with one seed a row, the paired bootstrap over test "
+    "sentences; docs/evaluation.md). The runs list adds p, the paired bootstrap over the "
+    "concatenated test sets of the seeds both rows finished (test-set sampling only), and with "
+    "several seeds p (seeds), an exact permutation test of the two rows' per-seed scores (its "
+    "smallest value is 0.1 with 3 seeds against 3). "
     "*diverged*, *failed*, *running*: the run's status, no score.")
 
 
@@ -414,7 +420,7 @@ def _cell(runs: Sequence[dict], metric: str, paper_number: Optional[float]) -> s
         ours = f"*{runs[0]['status']}*" if len(runs) == 1 else f"*{_status_counts(runs)}*"
     else:
         values = [run[metric] for run in finished if run[metric] is not None]
-        p_value = next((run["p_value"] for run in finished if run["p_value"] is not None), None)
+        p_value = next((run[MARK_P_FIELD] for run in finished if run[MARK_P_FIELD] is not None), None)
         flagged = any(length_mark(run["length_ratio"]) for run in finished)
         ours = (f"{_mean_sd(values)}{significance_mark(p_value)}{LENGTH_MARK if flagged else ''}"
                 if values else "n/a")

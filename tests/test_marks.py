@@ -1,0 +1,92 @@
+"""Significance marks a reviewer accepts (issue 52): a cell's mark comes from a paired bootstrap
+that resamples test sentences and training seeds together (bleu.seed_aware_bootstrap; with one
+seed a row, sacreBLEU's paired bootstrap). Run folders are made by hand as in test_seeds.py
+(fairseq-generate output, scores.json, status.json): nothing is trained."""
+import pytest
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments import bleu, tables
+from fairseq_normplug.experiments.configs import load_table
+from fairseq_normplug.experiments.reproduce import result_rows
+from fairseq_normplug.experiments.runner import Run, run_folder
+
+from test_seeds import REFS, hypotheses, write_run
+
+BASE, SYSTEM = "PostNorm + LayerNorm + warmup", "PreNorm + FixNorm + ScaleNorm + NoWarmup"
+#: sentences right per seed: the system beats the baseline on both seeds, by 15 and by 3
+#: sentences; pooled over the seeds' test sets the difference looks certain (p = 0.001), but the
+#: seeds disagree on its size, and with resampled seeds it is not significant (p 0.053)
+CORRECT = {(BASE, 1): 15, (BASE, 2): 15, (SYSTEM, 1): 30, (SYSTEM, 2): 18}
+
+
+@pytest.fixture(scope="module")
+def seed_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("marks")
+    data = root / "data"
+    (data / "ref").mkdir(parents=True)
+    (data / "ref" / "test.tok.tgt").write_text("\n".join(REFS) + "\n")
+    table = load_table("demo")
+    runs = {}
+    for (row, seed), count in CORRECT.items():
+        run = Run(table=table, row=table.row(row), pair="src-tgt", data_dir=str(data), seed=seed,
+                  run_dir=run_folder(str(root / "runs"), "demo", "src-tgt", row, seed))
+        write_run(run, count)
+        runs[(row, seed)] = run
+    return table, runs
+
+
+def test_one_seed_a_row_is_sacrebleus_paired_bootstrap():
+    base, system = hypotheses(15), hypotheses(19)
+    ours = bleu.seed_aware_bootstrap([base], [system], REFS, n_samples=2000)
+    theirs = bleu.paired_bootstrap(base, system, REFS, n_samples=2000)  # sacrebleu.significance.PairedTest
+    assert ours.p_value == theirs.p_value
+    assert (ours.baseline_score, ours.system_score) == (theirs.baseline_score, theirs.system_score)
+    assert ours.difference == pytest.approx(theirs.system_score - theirs.baseline_score)
+    same = bleu.seed_aware_bootstrap([base], [base], REFS, n_samples=100)
+    assert same.p_value == 1.0 and same.diff_ci_low == same.diff_ci_high == 0.0
+
+
+def test_resampling_seeds_widens_the_test_of_seeds_that_disagree():
+    base, system = [hypotheses(15)] * 2, [hypotheses(30), hypotheses(18)]
+    pooled = bleu.paired_bootstrap_seeds(base, system, REFS)
+    aware = bleu.seed_aware_bootstrap(base, system, REFS)
+    assert pooled.p_value < 0.01 < 0.05 < aware.p_value
+    assert aware.difference == pytest.approx((75.0 + 45.0) / 2 - 37.5)  # the cells' mean BLEU
+    # seeds that agree: every resample keeps the system ahead
+    agree = bleu.seed_aware_bootstrap(base, [hypotheses(30), hypotheses(29)], REFS)
+    assert agree.p_value < 0.01
+    # copies of one seed are no more evidence than that seed, with its own resamples
+    one = bleu.seed_aware_bootstrap([hypotheses(15)], [hypotheses(18)], REFS, n_samples=500)
+    three = bleu.seed_aware_bootstrap([hypotheses(15)] * 3, [hypotheses(18)] * 3, REFS, n_samples=500)
+    assert three.p_value == one.p_value and three.difference == pytest.approx(one.difference)
+    assert "training_seeds:3+3" in three.signature and "bs:500" in three.signature
+
+
+def test_rows_with_different_numbers_of_seeds_and_bad_input():
+    result = bleu.seed_aware_bootstrap([hypotheses(15)] * 3, [hypotheses(30), hypotheses(28)], REFS, n_samples=200)
+    assert (result.baseline_seeds, result.system_seeds) == (3, 2) and result.p_value < 0.05
+    with pytest.raises(NormplugError, match="needs >= 1 seed of each row, got 1 baseline and 0 system"):
+        bleu.seed_aware_bootstrap([hypotheses(15)], [], REFS)
+    with pytest.raises(NormplugError, match="n_samples >= 40 .* got 10"):
+        bleu.seed_aware_bootstrap([hypotheses(15)], [hypotheses(16)], REFS, n_samples=10)
+    with pytest.raises(NormplugError, match="unknown metric 'ter'"):
+        bleu.seed_aware_bootstrap([hypotheses(15)], [hypotheses(16)], REFS, n_samples=100, metric="ter")
+
+
+def test_the_mark_follows_the_seed_aware_test_not_the_pooled_bootstrap(seed_runs, tmp_path):
+    table, runs = seed_runs
+    rows = result_rows(table, list(runs.values()))
+    system = [r for r in rows if r["row"] == SYSTEM]
+    aware = bleu.seed_aware_bootstrap([hypotheses(15)] * 2, [hypotheses(30), hypotheses(18)], REFS)
+    assert [r["p_value_seed_aware"] for r in system] == [aware.p_value] * 2
+    assert system[0]["p_value"] < 0.01 < 0.05 < system[0]["p_value_seed_aware"]
+    assert all(r["p_value_seed_aware"] is None for r in rows if r["row"] == BASE)
+    csv_path, md_path = tables.write_results(rows, str(tmp_path))
+    assert [r["p_value_seed_aware"] for r in tables.read_results_csv(csv_path)] == [None, None, aware.p_value, aware.p_value]
+    md = open(md_path, encoding="utf-8").read()
+    assert f"| {SYSTEM} | 60.00 \u00b1 21.21 |" in md  # no mark, though the pooled bootstrap gives 0.001
+    # seed 1 alone: one seed a row, the paired bootstrap over sentences marks it
+    one = result_rows(table, [runs[(BASE, 1)], runs[(SYSTEM, 1)]])
+    assert one[1]["p_value_seed_aware"] == bleu.seed_aware_bootstrap([hypotheses(15)], [hypotheses(30)], REFS).p_value < 0.01
+    _, md_path = tables.write_results(one, str(tmp_path / "one"))
+    assert f"| {SYSTEM} | 75.00\u2021 |" in open(md_path, encoding="utf-8").read()
