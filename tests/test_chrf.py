@@ -196,7 +196,7 @@ def test_metric_chrf_puts_cells_marks_and_both_p_values_in_chrf(demo_runs, tmp_p
     reproduce.write_table(table, list(runs.values()), str(tmp_path), echo=lambda line: None, metric="chrf")
     md = (tmp_path / "results.md").read_text(encoding="utf-8")
     chrfs = [r["chrf"] for r in _system(chrf_rows)]
-    assert f"| {SYSTEM} | {tables._mean_sd(chrfs)}{tables.significance_mark(pooled.p_value)} |" in md
+    assert f"| {SYSTEM} | {tables._mean_sd(chrfs)}{tables.significance_mark(_system(chrf_rows)[0]['p_value_adjusted'])} |" in md
     assert "Cells: chrF (sacreBLEU's chrF2" in md
     bleus = [r["tokenized_bleu"] for r in _system(bleu_rows)]
     assert f"{tables._mean_sd(bleus)}\u2021" not in md

@@ -90,3 +90,71 @@ def test_the_mark_follows_the_seed_aware_test_not_the_pooled_bootstrap(seed_runs
     assert one[1]["p_value_seed_aware"] == bleu.seed_aware_bootstrap([hypotheses(15)], [hypotheses(30)], REFS).p_value < 0.01
     _, md_path = tables.write_results(one, str(tmp_path / "one"))
     assert f"| {SYSTEM} | 75.00\u2021 |" in open(md_path, encoding="utf-8").read()
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order():
+    # sorted 0.005, 0.01, 0.03, 0.04 of m = 4: x4, x3, x2, x1, each at least the one before
+    assert bleu.holm_adjust([0.01, None, 0.04, 0.03, 0.005]) == pytest.approx([0.03, None, 0.06, 0.06, 0.02])
+    assert bleu.holm_adjust([0.2, 0.9]) == pytest.approx([0.4, 0.9])
+    assert bleu.holm_adjust([0.6, 0.7]) == [1.0, 1.0]
+    assert bleu.holm_adjust([None]) == [None] and bleu.holm_adjust([]) == []
+    with pytest.raises(NormplugError, match="p-value 1.5 outside"):
+        bleu.holm_adjust([0.1, 1.5])
+
+
+DYT = "PreNorm + DyT"
+
+
+def _one_seed_runs(tmp_path, correct):
+    data = tmp_path / "data"
+    (data / "ref").mkdir(parents=True, exist_ok=True)
+    (data / "ref" / "test.tok.tgt").write_text("\n".join(REFS) + "\n")
+    table = load_table("demo")
+    runs = []
+    for row, count in correct.items():
+        run = Run(table=table, row=table.row(row), pair="src-tgt", data_dir=str(data), seed=1,
+                  run_dir=run_folder(str(tmp_path / "runs"), "demo", "src-tgt", row, 1))
+        write_run(run, count)
+        runs.append(run)
+    return table, runs
+
+
+def test_marks_use_the_holm_adjusted_p_over_the_tables_comparisons(tmp_path):
+    """Two rows each 4 of 40 sentences ahead of the baseline: p = 0.045 each, a dagger alone,
+    none once Holm's correction counts both comparisons (0.045 x 2 = 0.09)."""
+    table, runs = _one_seed_runs(tmp_path, {BASE: 15, SYSTEM: 19, DYT: 19})
+    rows = result_rows(table, runs)
+    single = bleu.seed_aware_bootstrap([hypotheses(15)], [hypotheses(19)], REFS).p_value
+    assert 0.01 < single < 0.05
+    assert [r["p_value_seed_aware"] for r in rows] == [None, single, single]
+    assert [r["p_value_adjusted"] for r in rows] == pytest.approx([None, 2 * single, 2 * single])
+    assert [r["p_value"] for r in rows][1:] == [bleu.paired_bootstrap(hypotheses(15), hypotheses(19), REFS).p_value] * 2
+    csv_path, md_path = tables.write_results(rows, str(tmp_path / "both"))
+    assert [r["p_value_adjusted"] for r in tables.read_results_csv(csv_path)] == pytest.approx([None, 2 * single, 2 * single])
+    md = open(md_path, encoding="utf-8").read()
+    assert f"| {SYSTEM} | 47.50 |" in md and f"| {DYT} | 47.50 |" in md
+    assert "Holm-adjusted over the 2 compared cells of this table" in md
+    assert "| hyp/ref | p | p (adj.) |" in md and f"| {2 * single:.3g} |" in md
+    assert "Holm-adjusted over all the table's compared cells" in md  # the legend
+    # one comparison: nothing to adjust, the dagger stays
+    alone = result_rows(table, runs[:2])
+    assert alone[1]["p_value_adjusted"] == single
+    _, md_path = tables.write_results(alone, str(tmp_path / "alone"))
+    md = open(md_path, encoding="utf-8").read()
+    assert f"| {SYSTEM} | 47.50\u2020 |" in md and "over the 1 compared cell of this table" in md
+
+
+def test_every_mark_agrees_with_p_value_adjusted(seed_runs, tmp_path):
+    """The 'Done when' check of issue 52 on a table: a cell is marked iff its adjusted p < 0.05."""
+    table, runs = seed_runs
+    extra = Run(table=table, row=table.row(DYT), pair="src-tgt", data_dir=runs[(BASE, 1)].data_dir, seed=1,
+                run_dir=run_folder(str(tmp_path / "runs"), "demo", "src-tgt", DYT, 1))
+    write_run(extra, 30)
+    rows = result_rows(table, [*runs.values(), extra])
+    _, md_path = tables.write_results(rows, str(tmp_path))
+    md = open(md_path, encoding="utf-8").read().split("## Runs")[0]
+    for row in (SYSTEM, DYT):
+        p = next(r["p_value_adjusted"] for r in rows if r["row"] == row)
+        line = next(line for line in md.splitlines() if line.startswith(f"| {row} |"))
+        assert (tables.significance_mark(p) in line if p < 0.05 else "\u2020" not in line and "\u2021" not in line)
+    assert next(r["p_value_adjusted"] for r in rows if r["row"] == DYT) < 0.01

@@ -129,9 +129,9 @@ def run_row(row, seed, status="ok", **fields):
 
 def test_cells_of_several_seeds(tmp_path):
     paper = {"tables": {"t": {"title": "Table T", "pairs": ["aa-bb"]}}}
-    rows = [run_row("Three", 1, tokenized_bleu=20.0, p_value=0.03, p_value_seed_aware=0.03, length_ratio=1.0),
-            run_row("Three", 2, tokenized_bleu=21.0, p_value=0.03, p_value_seed_aware=0.03, length_ratio=2.5),
-            run_row("Three", 3, tokenized_bleu=23.0, p_value=0.03, p_value_seed_aware=0.03),
+    rows = [run_row("Three", 1, tokenized_bleu=20.0, p_value=0.03, p_value_adjusted=0.03, length_ratio=1.0),
+            run_row("Three", 2, tokenized_bleu=21.0, p_value=0.03, p_value_adjusted=0.03, length_ratio=2.5),
+            run_row("Three", 3, tokenized_bleu=23.0, p_value=0.03, p_value_adjusted=0.03),
             run_row("Diverged", 1, "diverged"), run_row("Diverged", 2, "diverged"),
             run_row("Mixed", 1, "diverged"), run_row("Mixed", 2, "running"),
             run_row("Lone", 1, "diverged"), run_row("Lone", 2, tokenized_bleu=12.5)]
@@ -150,7 +150,7 @@ def test_cells_of_several_seeds(tmp_path):
 def test_one_seed_renders_as_without_seeds(tmp_path):
     """Seed 1 alone (or no seed field, as in a CSV written before seeds): no seed column, plain cells."""
     paper = {"tables": {"t": {"title": "Table T", "pairs": ["aa-bb"]}}}
-    with_seed = [run_row("R", 1, tokenized_bleu=20.0, p_value=0.003, p_value_seed_aware=0.003)]
+    with_seed = [run_row("R", 1, tokenized_bleu=20.0, p_value=0.003, p_value_adjusted=0.003)]
     without = [{k: v for k, v in with_seed[0].items() if k != "seed"}]
     first, second = (tables.write_results(rows, str(tmp_path / name), paper)[1]
                      for name, rows in (("a", with_seed), ("b", without)))

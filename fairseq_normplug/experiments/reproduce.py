@@ -138,7 +138,9 @@ def chrf_fields(run: Run, scores: dict) -> dict:
 def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, collecting: bool = False) -> List[dict]:
     """One results-table row per run (per seed), with its cell's p-values against the baseline
     row on the same pair (:func:`cell_p_value` over test sentences; over training seeds,
-    bleu.seeds_permutation_test of the cells' per-seed scores; in the table's cell metric of ``paper``, default configs/paper_results.json),
+    bleu.seeds_permutation_test of the cells' per-seed scores; :func:`cell_seed_aware_test` over
+    both, and that p Holm-adjusted over every compared cell of the table, bleu.holm_adjust: the
+    marks'; in the table's cell metric of ``paper``, default configs/paper_results.json),
     the same on every seed's row. ``collecting``: the table is still running, so a run not
     started yet is ``pending``, not ``failed``."""
     metric = tables.cell_metric(tables.load_paper_results() if paper is None else paper, table.name)
@@ -151,6 +153,8 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
         baseline = cells.get((pair, baseline_name)) if baseline_name else None
         p_values[(pair, row_name)] = cell_p_value(cell, baseline, metric) if baseline else None
         seed_aware[(pair, row_name)] = cell_seed_aware_test(cell, baseline, metric) if baseline else None
+    compared = list(seed_aware)
+    adjusted = dict(zip(compared, bleu.holm_adjust([_field(seed_aware[cell], "p_value") for cell in compared])))
     out = []
     for run in runs:
         status = run.status()
@@ -165,6 +169,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "p_value": p_values[(run.pair, run.row.name)] if scores else None,
             "seeds_p_value": None,
             "p_value_seed_aware": _field(seed_aware[(run.pair, run.row.name)], "p_value") if scores else None,
+            "p_value_adjusted": adjusted[(run.pair, run.row.name)] if scores else None,
             "length_ratio": bleu.length_ratio(scores),
             "status": result_status(run, collecting),
             "updates": status.get("updates"), "minutes": status.get("minutes"),

@@ -26,6 +26,8 @@ A result row is a dict with the keys of :data:`FIELDS`:
 * ``p_value_seed_aware``: the cell's p-value of the test behind its mark, against the same
   baseline: test sentences and training seeds resampled together (bleu.seed_aware_bootstrap,
   every finished seed of both rows; with one seed each, the paired bootstrap); None for a baseline;
+* ``p_value_adjusted``: ``p_value_seed_aware`` Holm-adjusted over every compared cell of the
+  table (bleu.holm_adjust): the p of the cell's mark (\u2021 < 0.01, \u2020 < 0.05);
 * ``length_ratio``: test hypotheses' token length over the references' (``sys_len / ref_len``);
   outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
@@ -57,10 +59,11 @@ PAPER_RESULTS_PATH = os.path.join(CONFIG_DIR, "paper_results.json")
 STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not started (--collect)
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "chrf", "chrf++", "chrf_signature", "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
-          "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by", "seeds_p_value", "p_value_seed_aware")
+          "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by", "seeds_p_value", "p_value_seed_aware",
+          "p_value_adjusted")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
 FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "chrf", "chrf++", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
-                "compound_split_bleu", "multi_bleu_detok", "seeds_p_value", "p_value_seed_aware")
+                "compound_split_bleu", "multi_bleu_detok", "seeds_p_value", "p_value_seed_aware", "p_value_adjusted")
 INT_FIELDS = ("updates", "selected_update", "seed")
 DEFAULT_SEED = 1
 #: every metric a published number or a table's cells can be in: {name: what it is}
@@ -98,7 +101,7 @@ DEFAULT_STOP_LR = 5e-5
 REFERENCE_KEYS = {"source", "metric", "configuration", "description", "recipe", "note", "bleu"}
 TABLE_KEYS = {"title", "pairs", "metric", "references"}
 #: the results.csv field whose p-value decides a cell's mark
-MARK_P_FIELD = "p_value_seed_aware"
+MARK_P_FIELD = "p_value_adjusted"
 SIGNIFICANCE_MARKS = ((0.01, "\u2021"), (0.05, "\u2020"))  # double dagger, dagger
 #: a BLEU whose hypotheses are this much shorter or longer than the references is flagged
 LENGTH_RATIO_RANGE = (0.5, 2.0)
@@ -109,10 +112,11 @@ LEGEND = (
     "metric (other published numbers are listed under the table, with the reason); `-` no run. "
     "With several seeds a cell is the mean \u00b1 sample standard deviation over the seeds that "
     "finished, and [k/n diverged] (failed, running) counts the others. "
-    "\u2020 p < 0.05, \u2021 p < 0.01 against the table's baseline row, in the table's metric, from a "
-    "paired bootstrap that resamples test sentences and training seeds together (10,000 resamples, "
-    "every finished seed of both rows; with one seed a row, the paired bootstrap over test "
-    "sentences; docs/evaluation.md). The runs list adds p, the paired bootstrap over the "
+    "\u2020 p < 0.05, \u2021 p < 0.01 against the table's baseline row, p being p (adj.) of the runs "
+    "list (p_value_adjusted in results.csv): a paired bootstrap in the table's metric that resamples "
+    "test sentences and training seeds together (10,000 resamples, every finished seed of both rows; "
+    "with one seed a row, the paired bootstrap over test sentences), Holm-adjusted over all the "
+    "table's compared cells (the number is under each table; docs/evaluation.md). The runs list adds p, the paired bootstrap over the "
     "concatenated test sets of the seeds both rows finished (test-set sampling only), and with "
     "several seeds p (seeds), an exact permutation test of the two rows' per-seed scores (its "
     "smallest value is 0.1 with 3 seeds against 3). "
@@ -488,6 +492,15 @@ def _unshown_references(table: str, runs: Sequence[dict], pairs: Sequence[str], 
     return ["Published numbers not beside a row (configs/paper_results.json):", ""] + lines + [""]
 
 
+def _marks_line(runs: Sequence[dict]) -> List[str]:
+    """How many comparisons the marks of a table are Holm-adjusted over (its cells with a p)."""
+    compared = {(run["row"], run["pair"]) for run in runs if run[MARK_P_FIELD] is not None}
+    if not compared:
+        return []
+    return [f"Marks: p (adj.), the seed-aware bootstrap's p Holm-adjusted over the {len(compared)} compared "
+            f"cell{'s' if len(compared) > 1 else ''} of this table; \u2020 p < 0.05, \u2021 p < 0.01.", ""]
+
+
 def _table_section(table: str, runs: List[dict], paper: dict) -> List[str]:
     spec = paper.get("tables", {}).get(table, {})
     metric = cell_metric(paper, table)
@@ -495,7 +508,7 @@ def _table_section(table: str, runs: List[dict], paper: dict) -> List[str]:
     row_ids = list(dict.fromkeys(run["row"] for run in runs))
     cells = _cells(table, runs)
     configs = {run["row"]: run["config"] for run in runs}
-    lines = [f"## {_md(spec.get('title', table))}", "", f"Cells: {METRICS[metric]}.", "",
+    lines = [f"## {_md(spec.get('title', table))}", "", f"Cells: {METRICS[metric]}.", ""] + _marks_line(runs) + [
              "| | " + " | ".join(_pair_label(p) for p in pairs) + " |",
              "|---|" + "---:|" * len(pairs)]
     for row_id in row_ids:
@@ -529,13 +542,13 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
     intro = ("Selected: the update of the tested checkpoint (best dev BLEU); dev BLEU and test BLEU "
              "are both tokenized BLEU of that checkpoint with the same decoder.")
     if seeds:
-        intro += (" One line per seed; p (bootstrap over test sentences) and p (seeds) are the cell's, "
-                  "over all its seeds.")
+        intro += (" One line per seed; p (bootstrap over test sentences), p (seeds) and p (adj.) are the "
+                  "cell's, over all its seeds.")
     stops = any(r["stopped_by"] for r in rows)  # the rule that ended each training, when known
     head = ["table", "row", "config", "pair"] + (["seed"] if seeds else []) + [
         "status", "updates"] + (["stopped by"] if stops else []) + [
         "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU", "chrF"] + [
-        METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"] + (["p (seeds)"] if seeds else [])
+        METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"] + (["p (seeds)"] if seeds else []) + ["p (adj.)"]
     align = ["---"] * (5 if seeds else 4) + ["---", "---:"] + (["---"] if stops else []) + \
         ["---:"] * (len(head) - (7 if seeds else 6) - stops)
     lines = ["## Runs", "", intro, "", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
@@ -548,7 +561,7 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
             r["status"], "" if r["updates"] is None else r["updates"]] + ([r["stopped_by"] or ""] if stops else []) + [
             _num(r["minutes"], 1), "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
             bleu, sacre, _num(r["chrf"])] + [_num(r[m]) for m in extra] + [
-            _num(r["length_ratio"], 3), _p(r["p_value"])] + ([_p(r["seeds_p_value"])] if seeds else [])
+            _num(r["length_ratio"], 3), _p(r["p_value"])] + ([_p(r["seeds_p_value"])] if seeds else []) + [_p(r["p_value_adjusted"])]
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")
     if len(signatures) == 1:
