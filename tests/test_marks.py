@@ -158,3 +158,40 @@ def test_every_mark_agrees_with_p_value_adjusted(seed_runs, tmp_path):
         line = next(line for line in md.splitlines() if line.startswith(f"| {row} |"))
         assert (tables.significance_mark(p) in line if p < 0.05 else "\u2020" not in line and "\u2021" not in line)
     assert next(r["p_value_adjusted"] for r in rows if r["row"] == DYT) < 0.01
+
+
+def test_a_95_percent_interval_of_each_cells_difference(seed_runs, tmp_path):
+    """diff_ci_low/high: the 2.5 and 97.5 percentiles of the seed-aware resamples' differences,
+    in results.csv (each seed's line) and the runs list; it holds the observed difference."""
+    one = bleu.seed_aware_bootstrap([hypotheses(15)], [hypotheses(19)], REFS, n_samples=400)
+    assert one.difference == pytest.approx(10.0)  # BLEU 47.5 against 37.5
+    assert one.diff_ci_low < one.difference < one.diff_ci_high
+    # sacreBLEU's estimate_ci rule: the 10th and 390th of the 400 sorted resampled differences
+    assert one.diff_ci_high - one.diff_ci_low == pytest.approx(2 * bleu.estimate_ci(
+        _resampled_differences(400))[1])
+    table, runs = seed_runs
+    rows = result_rows(table, list(runs.values()))
+    aware = bleu.seed_aware_bootstrap([hypotheses(15)] * 2, [hypotheses(30), hypotheses(18)], REFS)
+    system = [r for r in rows if r["row"] == SYSTEM]
+    assert [(r["diff_ci_low"], r["diff_ci_high"]) for r in system] == [(aware.diff_ci_low, aware.diff_ci_high)] * 2
+    # seeds 37.5 and 7.5 BLEU ahead: the interval is as wide as the seeds disagree
+    assert aware.diff_ci_low < 7.5 < 22.5 < 37.5 < aware.diff_ci_high
+    assert all(r["diff_ci_low"] is None and r["diff_ci_high"] is None for r in rows if r["row"] == BASE)
+    csv_path, md_path = tables.write_results(rows, str(tmp_path))
+    read = tables.read_results_csv(csv_path)
+    assert [(r["diff_ci_low"], r["diff_ci_high"]) for r in read] == [(None, None)] * 2 + [
+        (aware.diff_ci_low, aware.diff_ci_high)] * 2
+    md = open(md_path, encoding="utf-8").read()
+    assert "| p (adj.) | diff 95% CI |" in md
+    assert md.count(f"| [{aware.diff_ci_low:+.2f}, {aware.diff_ci_high:+.2f}] |") == 2
+
+
+def _resampled_differences(n_samples):
+    """The one-seed resampled BLEU differences (19 against 15 sentences right), as the test draws them."""
+    import numpy as np
+    rng = np.random.default_rng(12345)
+    indices = rng.choice(len(REFS), size=(n_samples, len(REFS)), replace=True)
+    right = np.array([i < 19 for i in range(len(REFS))]), np.array([i < 15 for i in range(len(REFS))])
+    # a sentence is all right or all wrong (8 words): BLEU of a resample is 100 x its share of right sentences
+    system, base = (100.0 * r[indices].mean(axis=1) for r in right)
+    return system - base

@@ -140,7 +140,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
     row on the same pair (:func:`cell_p_value` over test sentences; over training seeds,
     bleu.seeds_permutation_test of the cells' per-seed scores; :func:`cell_seed_aware_test` over
     both, and that p Holm-adjusted over every compared cell of the table, bleu.holm_adjust: the
-    marks'; in the table's cell metric of ``paper``, default configs/paper_results.json),
+    marks'; its 95% interval of the cell's difference from the baseline; in the table's cell metric of ``paper``, default configs/paper_results.json),
     the same on every seed's row. ``collecting``: the table is still running, so a run not
     started yet is ``pending``, not ``failed``."""
     metric = tables.cell_metric(tables.load_paper_results() if paper is None else paper, table.name)
@@ -170,6 +170,8 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "seeds_p_value": None,
             "p_value_seed_aware": _field(seed_aware[(run.pair, run.row.name)], "p_value") if scores else None,
             "p_value_adjusted": adjusted[(run.pair, run.row.name)] if scores else None,
+            "diff_ci_low": _field(seed_aware[(run.pair, run.row.name)], "diff_ci_low") if scores else None,
+            "diff_ci_high": _field(seed_aware[(run.pair, run.row.name)], "diff_ci_high") if scores else None,
             "length_ratio": bleu.length_ratio(scores),
             "status": result_status(run, collecting),
             "updates": status.get("updates"), "minutes": status.get("minutes"),

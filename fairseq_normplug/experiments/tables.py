@@ -28,6 +28,9 @@ A result row is a dict with the keys of :data:`FIELDS`:
   every finished seed of both rows; with one seed each, the paired bootstrap); None for a baseline;
 * ``p_value_adjusted``: ``p_value_seed_aware`` Holm-adjusted over every compared cell of the
   table (bleu.holm_adjust): the p of the cell's mark (\u2021 < 0.01, \u2020 < 0.05);
+* ``diff_ci_low``, ``diff_ci_high``: the 95% bootstrap interval of the cell's difference from its
+  baseline cell (mean over seeds, system - baseline, in the table's metric), from the resamples of
+  the seed-aware test; None for a baseline;
 * ``length_ratio``: test hypotheses' token length over the references' (``sys_len / ref_len``);
   outside :data:`LENGTH_RATIO_RANGE` the BLEU is flagged with :data:`LENGTH_MARK`;
 * ``status``: one of :data:`STATUSES`; ``updates``, ``minutes``: training length;
@@ -60,10 +63,11 @@ STATUSES = ("ok", "diverged", "failed", "running", "pending")  # pending: not st
 FIELDS = ("table", "pair", "row", "config", "tokenized_bleu", "sacrebleu", "sacrebleu_signature",
           "chrf", "chrf++", "chrf_signature", "p_value", "status", "updates", "minutes", "paper_bleu", "length_ratio", "selected_update", "dev_bleu",
           "seed", "compound_split_bleu", "multi_bleu_detok", "stopped_by", "seeds_p_value", "p_value_seed_aware",
-          "p_value_adjusted")
+          "p_value_adjusted", "diff_ci_low", "diff_ci_high")
 REQUIRED_FIELDS = ("table", "pair", "row", "config", "status")
 FLOAT_FIELDS = ("tokenized_bleu", "sacrebleu", "chrf", "chrf++", "p_value", "minutes", "paper_bleu", "length_ratio", "dev_bleu",
-                "compound_split_bleu", "multi_bleu_detok", "seeds_p_value", "p_value_seed_aware", "p_value_adjusted")
+                "compound_split_bleu", "multi_bleu_detok", "seeds_p_value", "p_value_seed_aware", "p_value_adjusted",
+                "diff_ci_low", "diff_ci_high")
 INT_FIELDS = ("updates", "selected_update", "seed")
 DEFAULT_SEED = 1
 #: every metric a published number or a table's cells can be in: {name: what it is}
@@ -116,7 +120,8 @@ LEGEND = (
     "list (p_value_adjusted in results.csv): a paired bootstrap in the table's metric that resamples "
     "test sentences and training seeds together (10,000 resamples, every finished seed of both rows; "
     "with one seed a row, the paired bootstrap over test sentences), Holm-adjusted over all the "
-    "table's compared cells (the number is under each table; docs/evaluation.md). The runs list adds p, the paired bootstrap over the "
+    "table's compared cells (the number is under each table; docs/evaluation.md); the same resamples "
+    "give diff 95% CI, the interval of the cell's difference from its baseline. The runs list adds p, the paired bootstrap over the "
     "concatenated test sets of the seeds both rows finished (test-set sampling only), and with "
     "several seeds p (seeds), an exact permutation test of the two rows' per-seed scores (its "
     "smallest value is 0.1 with 3 seeds against 3). "
@@ -535,6 +540,11 @@ def _p(p_value: Optional[float]) -> str:
     return "" if p_value is None else f"{p_value:.3g}"
 
 
+def _interval(low: Optional[float], high: Optional[float]) -> str:
+    """``[-0.52, +2.10]``: a difference's interval, signed; empty when unknown."""
+    return "" if low is None or high is None else f"[{low:+.2f}, {high:+.2f}]"
+
+
 def _runs_section(rows: List[dict], paper: dict) -> List[str]:
     signatures = list(dict.fromkeys(r["sacrebleu_signature"] for r in rows if r["sacrebleu_signature"]))
     seeds = _several_seeds(rows)
@@ -542,13 +552,13 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
     intro = ("Selected: the update of the tested checkpoint (best dev BLEU); dev BLEU and test BLEU "
              "are both tokenized BLEU of that checkpoint with the same decoder.")
     if seeds:
-        intro += (" One line per seed; p (bootstrap over test sentences), p (seeds) and p (adj.) are the "
-                  "cell's, over all its seeds.")
+        intro += (" One line per seed; p (bootstrap over test sentences), p (seeds), p (adj.) and the "
+                  "diff 95% CI are the cell's, over all its seeds.")
     stops = any(r["stopped_by"] for r in rows)  # the rule that ended each training, when known
     head = ["table", "row", "config", "pair"] + (["seed"] if seeds else []) + [
         "status", "updates"] + (["stopped by"] if stops else []) + [
         "minutes", "selected", "dev BLEU", "BLEU", "sacreBLEU", "chrF"] + [
-        METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"] + (["p (seeds)"] if seeds else []) + ["p (adj.)"]
+        METRIC_COLUMNS[m] for m in extra] + ["hyp/ref", "p"] + (["p (seeds)"] if seeds else []) + ["p (adj.)", "diff 95% CI"]
     align = ["---"] * (5 if seeds else 4) + ["---", "---:"] + (["---"] if stops else []) + \
         ["---:"] * (len(head) - (7 if seeds else 6) - stops)
     lines = ["## Runs", "", intro, "", "| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
@@ -561,7 +571,7 @@ def _runs_section(rows: List[dict], paper: dict) -> List[str]:
             r["status"], "" if r["updates"] is None else r["updates"]] + ([r["stopped_by"] or ""] if stops else []) + [
             _num(r["minutes"], 1), "" if r["selected_update"] is None else r["selected_update"], _num(r["dev_bleu"]),
             bleu, sacre, _num(r["chrf"])] + [_num(r[m]) for m in extra] + [
-            _num(r["length_ratio"], 3), _p(r["p_value"])] + ([_p(r["seeds_p_value"])] if seeds else []) + [_p(r["p_value_adjusted"])]
+            _num(r["length_ratio"], 3), _p(r["p_value"])] + ([_p(r["seeds_p_value"])] if seeds else []) + [_p(r["p_value_adjusted"]), _interval(r["diff_ci_low"], r["diff_ci_high"])]
         lines.append("| " + " | ".join(_md(v) for v in values) + " |")
     lines.append("")
     if len(signatures) == 1:
