@@ -195,3 +195,35 @@ def _resampled_differences(n_samples):
     # a sentence is all right or all wrong (8 words): BLEU of a resample is 100 x its share of right sentences
     system, base = (100.0 * r[indices].mean(axis=1) for r in right)
     return system - base
+
+
+COLLECTED = ("cpu", "beyond_cpu_short", "cpu_extension")  # the committed tables under docs/results/
+
+
+@pytest.mark.parametrize("name", COLLECTED)
+def test_every_mark_of_the_committed_tables_agrees_with_p_value_adjusted(name):
+    """issue 52, "Done when": every \u2021/\u2020 in results.md is p_value_adjusted's, no unmarked cell
+    has p_value_adjusted < 0.05, and every compared cell has one."""
+    import os
+    folder = os.path.join(os.path.dirname(__file__), "..", "docs", "results", name)
+    rows = tables.read_results_csv(os.path.join(folder, "results.csv"))
+    with open(os.path.join(folder, "results.md"), encoding="utf-8") as f:
+        section = f.read().split("## Runs")[0]
+    header = next(line for line in section.splitlines() if line.startswith("| |"))
+    pairs = [label.strip().replace("\u2192", "-") for label in header.strip().strip("|").split("|")[1:]]
+    checked = 0
+    for line in section.splitlines():
+        if not line.startswith("| ") or line.startswith("| |"):
+            continue
+        row, *cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for pair, cell in zip(pairs, cells):
+            runs = [r for r in rows if r["row"] == row and r["pair"] == pair and r["status"] == "ok"]
+            adjusted = {r["p_value_adjusted"] for r in runs}
+            assert len(adjusted) <= 1, (row, pair, adjusted)
+            p = adjusted.pop() if adjusted else None
+            if runs and p is None:  # only a baseline has none
+                assert all(r["p_value"] is None for r in runs), (row, pair)
+            mark = "\u2021" if "\u2021" in cell else "\u2020" if "\u2020" in cell else ""
+            assert mark == tables.significance_mark(p), (row, pair, cell, p)
+            checked += 1
+    assert checked >= 6
