@@ -228,10 +228,12 @@ def tiny_raw(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_bin(tiny_raw, tmp_path_factory):
-    """``tiny_raw`` binarized by fairseq-preprocess with a joined dictionary."""
+    """``tiny_raw`` binarized by fairseq-preprocess (in this process) with a joined dictionary."""
+    from inprocess import run_fairseq
+
     dest = str(tmp_path_factory.mktemp("bin"))
-    run_cli([
-        cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+    run_fairseq([
+        "fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
         "--trainpref", f"{tiny_raw}/train", "--validpref", f"{tiny_raw}/valid",
         "--testpref", f"{tiny_raw}/test", "--destdir", dest, "--joined-dictionary",
         "--workers", "1",

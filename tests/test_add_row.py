@@ -77,6 +77,7 @@ def test_the_command_line_refuses_before_any_work(argv, message, capsys):
     assert message in str(exit_.value) and "\n" not in str(exit_.value)
 
 
+@pytest.mark.slow
 def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_prepared, tmp_path):
     runs, data = str(tmp_path / "runs"), {"src-tgt": tiny_prepared}
     run_table(table, ["src-tgt"], data, runs, str(tmp_path / "before"), echo=lambda message: None)

@@ -2,6 +2,7 @@
 set by a profiling pass on the first training batch (modules/residual_scale.py AdminProfile)."""
 import math
 
+import pytest
 import torch
 
 from model_helpers import build, toy_batch
@@ -81,6 +82,7 @@ def test_loaded_omegas_are_not_profiled_again(tiny_bin):
     assert all((layer.residual_scale.gains == 3.0).all() for layer in fresh.encoder.layers)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_choose_the_same_omegas_and_resume_does_not_profile(tiny_bin, tmp_path):
     """The ranks see different batches; the moments are summed over both, so their omegas
     agree after every update; a resumed run profiles nothing."""
@@ -97,7 +99,6 @@ def test_two_gloo_ranks_choose_the_same_omegas_and_resume_does_not_profile(tiny_
 
 
 def test_refused_combinations_name_the_flag(tiny_bin):
-    import pytest
     from fairseq_normplug.errors import NormplugError
 
     for flags, message in ((["--prenorm"], "defined for PostNorm only"),

@@ -262,6 +262,7 @@ def test_train_steps_beam_search_and_checkpoint_reload(tiny_bin, tmp_path, name)
 
 # ---- the real command-line tools ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_train_and_generate(tiny_bin, tmp_path):
     """fairseq-train and fairseq-generate (beam search) with the new flags; the checkpoint
     carries QKNorm's g0, computed from the training data."""

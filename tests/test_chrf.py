@@ -104,6 +104,7 @@ def detok(hyps):
     return bleu.detokenize(hyps, LANG)
 
 
+@pytest.mark.slow
 def test_chrf_is_the_sacrebleu_command_lines_on_the_same_files(tmp_path):
     hyps = detok(hypotheses(12, "typo"))
     hyp_file, ref_file = tmp_path / "hyp.txt", tmp_path / "ref.txt"
@@ -131,6 +132,7 @@ def test_scores_json_has_chrf_and_its_signature(demo_runs):
     assert scores["tokenized_bleu"] > 0 and scores["sacrebleu_signature"]  # BLEU's fields unchanged
 
 
+@pytest.mark.slow
 def test_results_csv_and_the_runs_list_have_a_chrf_column(demo_runs, tmp_path):
     table, runs, outputs = demo_runs
     reproduce.write_table(table, list(runs.values()), str(tmp_path), echo=lambda line: None)

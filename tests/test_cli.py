@@ -52,6 +52,7 @@ def trained(tiny_bin, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_train_and_resume(trained, name):
     save_dir, first, resumed = trained[name]
@@ -81,6 +82,7 @@ def tensorboard_scalars(folder):
     return scalars
 
 
+@pytest.mark.slow
 def test_tensorboard_logdir_writes_the_logged_training_curve(trained):
     """The event files hold the numbers of the text log: every logged update's loss and lr."""
     save_dir, first, _ = trained["postnorm-layernorm"]
@@ -96,6 +98,7 @@ def test_tensorboard_logdir_writes_the_logged_training_curve(trained):
     assert epoch["loss"][30] == pytest.approx(float(log_records(first, "train")[-1]["train_loss"]), abs=6e-4)
 
 
+@pytest.mark.slow
 def test_generate_elsewhere_needs_the_user_dir_as_the_readme_says(trained, tiny_bin, tmp_path):
     """README: outside the repository, pass --user-dir "$(fairseq-normplug-path)"; without
     it fairseq's torch.load refuses the checkpoint (nothing imported the plugin)."""
@@ -111,6 +114,7 @@ def test_generate_elsewhere_needs_the_user_dir_as_the_readme_says(trained, tiny_
     assert "argparse.Namespace" in without.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_generate_from_checkpoint(trained, tiny_bin, name):
     save_dir, _, _ = trained[name]
@@ -125,6 +129,7 @@ def test_generate_from_checkpoint(trained, tiny_bin, name):
     assert "BLEU4" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_interactive_and_hub_give_the_same_translation(trained, tiny_bin, tiny_raw):
     """fairseq-interactive and the hub translate a test sentence alike (same checkpoint,
     beam 2): the same hypothesis, with a finite log-probability score."""
@@ -146,6 +151,7 @@ def test_interactive_and_hub_give_the_same_translation(trained, tiny_bin, tiny_r
     assert hub.translate(sentence.strip(), beam=2) == text
 
 
+@pytest.mark.slow
 def test_checkpoints_load_safely_only_through_the_plugin(trained):
     """torch >= 2.6 loads with weights_only=True: the plugin allow-lists fairseq's classes."""
     checkpoint = os.path.join(trained["prenorm-dyt"][0], "checkpoint_last.pt")
@@ -168,6 +174,7 @@ class RunsCodeWhenUnpickled:
         return os.makedirs, (self.marker,)
 
 
+@pytest.mark.slow
 def test_the_runner_reads_checkpoints_safely(trained, tmp_path):
     """experiments.runner.selected_checkpoint: the update and dev score of a real checkpoint;
     a file that would run code when unpickled is refused, and the code does not run."""
@@ -184,6 +191,7 @@ def test_the_runner_reads_checkpoints_safely(trained, tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_eval_bleu_validation_and_best_checkpoint(tiny_bin, tmp_path):
     """Dev BLEU every 10 updates (and at the epoch's end, update 17); checkpoint_best.pt is the
     checkpoint of the best BLEU (ties: the later one, as fairseq compares with >=) and records
@@ -210,6 +218,7 @@ def test_eval_bleu_validation_and_best_checkpoint(tiny_bin, tmp_path):
         "selected_update": expected, "dev_bleu": pytest.approx(best, abs=1e-6)}
 
 
+@pytest.mark.slow
 def test_a_longer_run_learns(tiny_bin, tmp_path):
     proc = train(tiny_bin, tmp_path, COMBINATIONS["prenorm-scalenorm-fixnorm-smallinit"], 250,
                  extra=["--no-save", "--log-interval", "25"])
@@ -218,6 +227,7 @@ def test_a_longer_run_learns(tiny_bin, tmp_path):
     assert losses[-1] < 0.6 * losses[0], losses
 
 
+@pytest.mark.slow
 def test_norm_stats_are_logged(tiny_bin, tmp_path):
     proc = train(tiny_bin, tmp_path, ["--prenorm", "--dyt", "--norm-stats-interval", "10"], 20,
                  extra=["--no-save"])
@@ -234,6 +244,7 @@ BAD_CLI = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,message", BAD_CLI, ids=[" ".join(f) for f, _ in BAD_CLI])
 def test_bad_input_on_the_command_line(tmp_path, flags, message):
     """A one-line error with exit status 2 and no traceback, before any data is read
@@ -287,6 +298,7 @@ DATA_PARALLEL = ["--prenorm", "--dyt", "--dyt-alpha-init", "auto", "--task", "tr
                  "--word-dropout", "0.1", "--update-freq", "2"]
 
 
+@pytest.mark.slow
 def test_data_parallel_on_cpu_with_gloo_agrees_and_resumes_exactly(tiny_bin, tmp_path):
     """Two CPU processes train one model data-parallel (docs/experiments.md). The ranks see
     different batches, yet --dyt-alpha-init auto chooses one alpha per norm for both, and
@@ -318,6 +330,7 @@ NEW_NORMS = {
 }
 
 
+@pytest.mark.slow
 def test_new_norm_types_train_resume_and_generate(tiny_bin, tmp_path):
     """derf (with auto init), dyisru and identity: train, resume (no second auto init), and
     decode incrementally from the reloaded checkpoints (one ensemble of the three)."""
@@ -338,6 +351,7 @@ def test_new_norm_types_train_resume_and_generate(tiny_bin, tmp_path):
     assert len(hypotheses) == 100 and not any("<pad>" in h for h in hypotheses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["repository root, relative --user-dir", "elsewhere, fairseq-normplug-path"])
 def test_user_dir_from_the_repository_and_from_anywhere(tmp_path, where):
     if where.startswith("repository"):

@@ -49,6 +49,7 @@ def stalled_run(tiny_prepared, tmp_path_factory):
     return run, extra, status, lines
 
 
+@pytest.mark.slow
 def test_a_stalled_run_stops_by_its_patience_before_the_cap(stalled_run):
     run, _, status, _ = stalled_run
     assert status["status"] == "done"
@@ -66,6 +67,7 @@ def test_a_stalled_run_stops_by_its_patience_before_the_cap(stalled_run):
     assert f"no gain for {PATIENCE} validations" in checkpoint_safety.finished(last, 200)
 
 
+@pytest.mark.slow
 def test_a_stopped_run_is_not_trained_again(stalled_run):
     run, extra, _, _ = stalled_run
     run.set_status(status="running")  # as if killed after its final save
@@ -78,6 +80,7 @@ def test_a_stopped_run_is_not_trained_again(stalled_run):
     assert os.path.exists(run.path("checkpoints", checkpoint_safety.BEST))
 
 
+@pytest.mark.slow
 def test_more_patience_resumes_a_stopped_run_where_it_stopped(stalled_run):
     """The stopping rule of the command decides, not the checkpoint's: with 2 more validations
     of patience the stopped run resumes from its last checkpoint and stops 2 validations later

@@ -55,6 +55,7 @@ def two_corpora(demo_corpus):
     return [(corpus, run(corpus)) for corpus in corpora]
 
 
+@pytest.mark.slow
 def test_corpora_with_the_same_folder_name_get_their_own_prepared_folders(demo_corpus, two_corpora):
     root, run = demo_corpus
     (first, first_dir), (second, second_dir) = two_corpora
@@ -103,6 +104,7 @@ def other_options(data_dir: str) -> str:
     return "was prepared with other options (max_len: 100 -> 250)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [foreign_folder, other_options])
 def test_a_prepared_folder_that_cannot_be_reused_is_reported_with_demo_advice(demo_corpus, two_corpora,
                                                                              damage, capsys):
@@ -122,6 +124,7 @@ def test_a_prepared_folder_that_cannot_be_reused_is_reported_with_demo_advice(de
     assert named <= options_of_demo(capsys), f"{message} names options demo.sh lacks"
 
 
+@pytest.mark.slow
 def test_demo_trains_scores_and_tabulates_through_its_own_path(tmp_path, monkeypatch, capsys):
     """demo.sh's main end to end, nothing mocked but the size: a corpus given with --corpus is
     prepared into data/, the --preset's recipe trains the table's first row (shrunk to 4

@@ -53,6 +53,7 @@ def converted(trained, tiny_bin, tmp_path_factory):
     return out, report
 
 
+@pytest.mark.slow
 def test_conversion_gives_a_loadable_dyt_checkpoint(converted, tiny_bin):
     out, report = converted
     [model], cfg, _ = checkpoint_utils.load_model_ensemble_and_task([out], arg_overrides={"data": tiny_bin})
@@ -81,6 +82,7 @@ def test_conversion_gives_a_loadable_dyt_checkpoint(converted, tiny_bin):
     assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 100
 
 
+@pytest.mark.slow
 def test_calibrated_alpha_fits_better_than_the_default(trained, tiny_bin, converted):
     loaded = load_checkpoint(trained, tiny_bin)
     samples = list(batches(loaded.task, "valid", 1000, limit_tokens=500))  # held out from calibration
@@ -100,6 +102,7 @@ def test_calibrated_alpha_fits_better_than_the_default(trained, tiny_bin, conver
             assert fitting.mean_squared_error(derf(x), y) < fitting.mean_squared_error(fitting.naive_derf(layer_norm)(x), y)
 
 
+@pytest.mark.slow
 def test_conversion_to_derf(trained, tiny_bin, tmp_path):
     out = str(tmp_path / "derf.pt")
     # 4,000 calibration tokens (the default 20,000 with Derf's shift search costs ~20 s more here)
@@ -174,6 +177,7 @@ def drawn_figures(monkeypatch):
     return saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["layernorm", "dyt"])
 def test_plots_show_the_norms_inputs_outputs_and_scales(which, trained, converted, tiny_bin, tmp_path,
                                                         drawn_figures):
@@ -264,6 +268,7 @@ def test_recomputed_attention_matches_fairseq():
     assert stats["max_logit"].shape == (3, 5)
 
 
+@pytest.mark.slow
 def test_bad_input_one_line_each(trained, converted, tiny_bin, tmp_path):
     mismatched = tmp_path / "other_dict"
     shutil.copytree(tiny_bin, mismatched)
@@ -296,6 +301,7 @@ def test_bad_input_one_line_each(trained, converted, tiny_bin, tmp_path):
     assert proc.stderr.strip().splitlines() == [f"convert_norms.sh: error: no such checkpoint: {tmp_path}/missing.pt"]
 
 
+@pytest.mark.slow
 def test_load_checkpoint_rejects_a_missing_subset(trained, tiny_bin, tmp_path):
     with pytest.raises(NormplugError, match="has no 'nothing' subset"):
         plot_norms.plot_norms(trained, tiny_bin, str(tmp_path), subset="nothing")
@@ -349,6 +355,7 @@ def calibration_samples(trained, tiny_bin):
     return loaded, list(batches(loaded.task, "train", convert.CALIBRATION_BATCH_TOKENS, limit_tokens=6000))
 
 
+@pytest.mark.slow
 def test_joint_fit_error_not_above_the_earlier_fits(calibration_samples):
     loaded, samples = calibration_samples
     for name, (layer_norm, x, y) in collect_norm_activations(loaded, samples[:1]).items():
@@ -365,6 +372,7 @@ def test_joint_fit_error_not_above_the_earlier_fits(calibration_samples):
         assert derf_joint["mse"] <= derf_gamma["mse"] * (1 + 1e-4) + 1e-9, name
 
 
+@pytest.mark.slow
 def test_layerwise_calibration_fits_each_norm_on_the_converted_models_inputs(calibration_samples):
     loaded, samples = calibration_samples
     inputs = {}
@@ -393,6 +401,7 @@ def test_layerwise_calibration_fits_each_norm_on_the_converted_models_inputs(cal
             assert not torch.allclose(inputs[name], x_original, atol=1e-4), name
 
 
+@pytest.mark.slow
 def test_layerwise_joint_calibration_is_no_worse_than_the_earlier_method(calibration_samples, tiny_bin):
     """Dev loss of the new default (layerwise, joint gamma/beta, the larger sample) against the
     earlier method (per-norm, gamma refitted, 2000 tokens in 1000-token batches)."""
@@ -408,6 +417,7 @@ def test_layerwise_joint_calibration_is_no_worse_than_the_earlier_method(calibra
     assert new_loss <= earlier_loss, (new_loss, earlier_loss)
 
 
+@pytest.mark.slow
 def test_calibration_that_does_not_beat_the_naive_swap_exits_3(trained, tiny_bin, tmp_path, monkeypatch):
     def naive_fit(layer_norm, x, y, affine="joint"):
         module = fitting.naive_dyt(layer_norm)
@@ -427,6 +437,7 @@ def test_calibration_that_does_not_beat_the_naive_swap_exits_3(trained, tiny_bin
     assert not report["calibration_beats_naive"] and report["calibration"] == "layerwise"
 
 
+@pytest.mark.slow
 def test_bad_calibration_choices_one_line(trained, tiny_bin, tmp_path):
     out = str(tmp_path / "out.pt")
     for argv, message in (([trained, tiny_bin, out, "--calibration", "greedy"],
@@ -442,6 +453,7 @@ def test_bad_calibration_choices_one_line(trained, tiny_bin, tmp_path):
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_removal_by_fine_tuning_keeps_postnorm_norms_as_fixed_affine_maps(trained, tiny_bin, tmp_path):
     """--to none (remove_norms.py) on the trained PostNorm fixture: one norm removed per update
     from update 1 (FFN norms first), 6 more updates after the last; nothing is folded."""
@@ -479,6 +491,7 @@ def test_removal_by_fine_tuning_keeps_postnorm_norms_as_fixed_affine_maps(traine
     assert start["optimizer_history"][-1]["num_updates"] == 0  # else the trainer's load switches them all
 
 
+@pytest.mark.slow
 def test_removal_refusals_one_line(trained, converted, tiny_bin, tmp_path):
     out = str(tmp_path / "out.pt")
     cases = [
@@ -500,6 +513,7 @@ def test_removal_refusals_one_line(trained, converted, tiny_bin, tmp_path):
     assert not os.path.exists(out)
 
 
+@pytest.mark.slow
 def test_removal_folds_a_prenorm_model(tiny_bin, tmp_path):
     """--to none on a PreNorm model (5 updates: only the folding path is under test): OUT has
     identities at the folded sites, the decoder's final norm is the fixed affine map, and OUT
@@ -526,6 +540,7 @@ def test_removal_folds_a_prenorm_model(tiny_bin, tmp_path):
         dev_loss(unfolded.model, unfolded.task, criterion)["loss"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_a_fine_tune_uses_this_plugin_whatever_checkout_trained_the_run(trained, tmp_path):
     """A checkpoint stores the --user-dir it was trained with; the fine-tune imports this plugin
     (another path would clash: fairseq needs the module name fairseq_normplug to be unique)."""

@@ -51,6 +51,7 @@ def valid_records(run_dir: str):
     return [json.loads(line.split("| valid | ", 1)[1]) for line in text.splitlines() if "| valid | " in line]
 
 
+@pytest.mark.slow
 def test_train_sh_then_evaluate_sh(row_run, tiny_prepared):
     _, run_dir, trained, evaluated, _ = row_run
     status = json.loads(open(os.path.join(run_dir, "status.json")).read())
@@ -84,6 +85,7 @@ def run_in_process(main, argv, capsys):
     return status, out, err
 
 
+@pytest.mark.slow
 def test_a_second_run_reads_the_results_back(row_run, tiny_prepared, capsys):
     """train.sh skips the finished run, evaluate.sh prints its stored scores (single_run's mains
     in this process: the same code as the scripts, without a second start-up)."""
@@ -119,6 +121,7 @@ def results_rows(results_dir) -> list:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["--data", "data.json"])
 def test_reproduce_main_tabulates_the_finished_run(where, row_run, tiny_prepared, tmp_path, monkeypatch, capsys):
     """The finished train.sh run is found in --runs-dir and skipped, not trained again; the
@@ -161,6 +164,7 @@ def test_reproduce_main_refuses_bad_input_before_training(argv, message, tmp_pat
     assert not os.path.exists(tmp_path / "runs") and not os.path.exists(tmp_path / "results")
 
 
+@pytest.mark.slow
 def test_reproduce_sh_reports_a_bad_pair_in_one_line(row_run):
     proc = row_run[4]
     assert proc.returncode == 1

@@ -51,6 +51,7 @@ def reproduced(tiny_table, prepared, tmp_path_factory):
     return out, results, messages
 
 
+@pytest.mark.slow
 def test_results_table_and_figures(reproduced):
     out, results, messages = reproduced
     by_row = {r["row"]: r for r in results}
@@ -74,6 +75,7 @@ def test_results_table_and_figures(reproduced):
     assert any("update 20" in m and "dev BLEU" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_forced_divergence_is_a_result(reproduced):
     out, results, _ = reproduced
     diverged = next(r for r in results if r["row"] == "Diverging")
@@ -82,6 +84,7 @@ def test_forced_divergence_is_a_result(reproduced):
     assert status["status"] == "diverged" and status["exit_code"] != 0
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_and_diverged_rows(reproduced, tiny_table, prepared):
     out, _, _ = reproduced
     log = out / "runs" / "tiny" / "src-tgt" / "postnorm-layernorm" / "train.log"
@@ -96,6 +99,7 @@ def test_rerun_skips_finished_and_diverged_rows(reproduced, tiny_table, prepared
     assert [r["status"] for r in results] == ["ok", "ok", "diverged"]
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes(tiny_table, prepared, tmp_path):
     from fairseq_normplug.experiments.runner import Run, train
 
@@ -121,6 +125,7 @@ def test_interrupted_run_resumes(tiny_table, prepared, tmp_path):
     assert len(list((tmp_path / "run").glob("train.log.no-checkpoint-*"))) == 1
 
 
+@pytest.mark.slow
 def test_best_checkpoint_is_the_best_dev_bleu_and_dev_decodes_like_test(tiny_table, prepared, tmp_path):
     """A run whose dev BLEU goes up then down: checkpoint_best.pt is the validation with the
     best dev BLEU (fairseq's ties go to the later one), not the last; and fairseq-generate with

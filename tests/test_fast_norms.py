@@ -187,6 +187,7 @@ print(module.fast_path(x), float(error.max()))
                                           ({"NORMPLUG_NATIVE": "0"}, "compiled"),
                                           ({"NORMPLUG_NATIVE": "off", "NORMPLUG_COMPILE": "0"},
                                            "eager")])
+@pytest.mark.slow
 def test_paths_disabled_by_environment(env, expected):
     """The environment switches paths off for a whole process (read once, at first use)."""
     proc = subprocess.run([sys.executable, "-c", PATH_PROBE], capture_output=True, text=True,
@@ -260,6 +261,7 @@ def test_native_operators_build_and_load():
         assert callable(getattr(native.ops(), name))  # AttributeError if not registered
 
 
+@pytest.mark.slow
 def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_ops", None)
     monkeypatch.setattr(native, "_failure", None)
@@ -272,6 +274,7 @@ def test_native_build_failure_falls_back(monkeypatch, tmp_path):
     assert_rel_close(module(x).detach(), module.reference(x).detach())
 
 
+@pytest.mark.slow
 def test_bench_norms_smoke(tmp_path):
     from fairseq_normplug.bench import bench_norms
 
@@ -303,6 +306,7 @@ def test_bench_norms_bad_rounds():
     assert exit_info.value.code == 2
 
 
+@pytest.mark.slow
 def test_bench_train_smoke(tmp_path):
     from fairseq_normplug.bench import bench_train
 

@@ -66,6 +66,7 @@ def assert_png(path):
     assert data.startswith(PNG_MAGIC) and len(data) > 5000
 
 
+@pytest.mark.slow
 def test_training_log_parsing(logs, log_paths):
     scale = logs["ScaleNorm"]
     assert [r["num_updates"] for r in scale.kind("train_inner")] == [5.0, 10.0, 15.0, 20.0, 25.0, 30.0]
@@ -83,6 +84,7 @@ def test_training_log_parsing(logs, log_paths):
     assert "valid_bleu" not in logs["ScaleNorm-noLS"].keys("valid")
 
 
+@pytest.mark.slow
 def test_garbage_truncation_and_resumed_runs(log_paths, tmp_path):
     lines = open(log_paths["ScaleNorm"], encoding="utf-8").read().splitlines()
     inner = [line for line in lines if "| train_inner |" in line]
@@ -100,6 +102,7 @@ def test_garbage_truncation_and_resumed_runs(log_paths, tmp_path):
         parse_training_log(str(tmp_path / "nothing.log"))
 
 
+@pytest.mark.slow
 def test_dev_bleu_and_grad_norm_figures(logs, log_paths, tmp_path):
     bleu = figures.plot_dev_bleu(logs, str(tmp_path / "bleu.png"))
     assert list(bleu) == ["ScaleNorm", "DyT"]  # the run without --eval-bleu is left out
@@ -113,6 +116,7 @@ def test_dev_bleu_and_grad_norm_figures(logs, log_paths, tmp_path):
     assert_png(tmp_path / "gnorm.png")
 
 
+@pytest.mark.slow
 def test_scalenorm_g_figure(logs, log_paths, tmp_path):
     data = figures.plot_scalenorm_g(logs, str(tmp_path / "g.png"))
     assert list(data) == ["ScaleNorm", "ScaleNorm-noLS"]  # DyT has no g
@@ -125,6 +129,7 @@ def test_scalenorm_g_figure(logs, log_paths, tmp_path):
     assert_png(tmp_path / "g.png")
 
 
+@pytest.mark.slow
 def test_label_smoothing_g_figure(logs, log_paths, tmp_path):
     data = figures.plot_label_smoothing_g(logs, str(tmp_path / "ls.png"))
     decoder = ["dec0.attn", "dec0.cross", "dec0.ffn", "dec1.attn", "dec1.cross", "dec1.ffn", "dec.final"]
@@ -137,6 +142,7 @@ def test_label_smoothing_g_figure(logs, log_paths, tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
+@pytest.mark.slow
 def test_dyt_alpha_figure(logs, log_paths, tmp_path):
     data = figures.plot_dyt_alpha(logs, str(tmp_path / "dyt.png"))
     records = raw_records(log_paths["DyT"], "train_inner")
@@ -152,6 +158,7 @@ def test_dyt_alpha_figure(logs, log_paths, tmp_path):
     assert_png(tmp_path / "dyt.png")
 
 
+@pytest.mark.slow
 def test_dyt_saturation_figure(logs, log_paths, tmp_path):
     data = figures.plot_dyt_saturation(logs, str(tmp_path / "sat.png"))
     assert list(data) == ["DyT"]  # only DyT norms saturate
@@ -167,6 +174,7 @@ def test_dyt_saturation_figure(logs, log_paths, tmp_path):
         figures.plot_dyt_saturation({"s": logs["ScaleNorm"]}, str(tmp_path / "none.png"))
 
 
+@pytest.mark.slow
 def test_command_line_makes_what_the_logs_support(log_paths, tmp_path, capsys):
     out = tmp_path / "figs"
     outcome = figures.main([f"--log={label}={path}" for label, path in log_paths.items()] + ["--out", str(out)])
@@ -182,6 +190,7 @@ def test_command_line_makes_what_the_logs_support(log_paths, tmp_path, capsys):
     assert "scalenorm_g: skipped: " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_command_line_bad_input(log_paths, tmp_path):
     with pytest.raises(NormplugError, match="unknown figure 'fig9'"):
         figures.main(["--log", f"DyT={log_paths['DyT']}", "--out", str(tmp_path), "--figures", "fig9"])

@@ -12,6 +12,7 @@ from fairseq_normplug.bench import gpu_check
 from fairseq_normplug.bench.gpu_check import Deadline, Report
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without a CUDA device")
 def test_refuses_in_one_line_without_cuda(tmp_path):
     proc = run_cli([sys.executable, "-m", "fairseq_normplug.bench.gpu_check", "--out",
@@ -22,6 +23,7 @@ def test_refuses_in_one_line_without_cuda(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path):
     out = tmp_path / "report" / "gpu_check.md"
     status = gpu_check.main(["--device", "cpu", "--data", tiny_bin, "--workdir",

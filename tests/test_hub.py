@@ -46,6 +46,7 @@ def work(tiny_raw, tmp_path_factory):
     return work
 
 
+@pytest.mark.slow
 def test_training_copies_the_dictionaries_and_bpe_codes_beside_the_checkpoints(work):
     checkpoints = work / RUN / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == sorted(["checkpoint_best.pt", "checkpoint_last.pt", *HUB_FILES])
@@ -53,6 +54,7 @@ def test_training_copies_the_dictionaries_and_bpe_codes_beside_the_checkpoints(w
         assert (checkpoints / name).read_bytes() == (work / "data" / "ted" / "gl-en" / source).read_bytes()
 
 
+@pytest.mark.slow
 def test_from_pretrained_and_torch_hub_translate_from_the_checkpoint_folder_alone(work, tmp_path):
     from fairseq_normplug.models import TransformerNormplugModel
 
@@ -86,6 +88,7 @@ def readme_block(command: str) -> str:
     return block
 
 
+@pytest.mark.slow
 def test_the_readme_generate_and_interactive_commands_run_as_written(work, tiny_raw):
     block = readme_block("fairseq-interactive")  # run in the environment, as after `source .venv/bin/activate`
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=str(work), capture_output=True, text=True,

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 from fairseq import checkpoint_utils, options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
@@ -104,6 +105,7 @@ def model_flags(cfg_model) -> dict:
     return {dest: values[dest] for dest in flag_actions(TransformerNormplugModel.add_args) if dest in values}
 
 
+@pytest.mark.slow
 def test_hydra_and_fairseq_train_train_the_same_model(tiny_prepared, tmp_path):
     """20 updates of the full method on the tiny corpus, from the YAML and from the scripts'
     command: the same losses, the same trained parameters, the same resolved model flags in both
@@ -133,6 +135,7 @@ def test_hydra_and_fairseq_train_train_the_same_model(tiny_prepared, tmp_path):
     assert model_flags(yaml_cfg.model) == stored
 
 
+@pytest.mark.slow
 def test_typos_and_bad_values_are_one_line_errors(tiny_bin, tmp_path):
     groups = ["task=translation_normplug", f"task.data={tiny_bin}", "model=transformer_normplug_tiny",
               "lr_scheduler=val_decay", "criterion=masked_label_smoothed_cross_entropy", "optimizer=adam",

@@ -72,6 +72,7 @@ def test_cuda_probe(tmp_path):
     ({"NORMPLUG_CUDA": "0", "NORMPLUG_TORCH_INDEX": CPU_INDEX, "NORMPLUG_TORCH": "torch==2.6.0"},
      ["torch==2.6.0", CPU_INDEX, "user"]),
 ])
+@pytest.mark.slow
 def test_setup_env_plan_from_the_command_line(env, plan):
     """What scripts/setup_env.sh reads: spec, index, expected build and a reason, one a line
     (the driver probe forced by NORMPLUG_CUDA; these two need no network)."""
@@ -89,6 +90,7 @@ CPU_REPORT = {"install": [{"metadata": {"name": "torch", "version": "2.13.0+cpu"
                           {"metadata": {"name": "sympy", "version": "1.14.0"}}]}
 
 
+@pytest.mark.slow
 def test_a_cuda_build_from_the_default_index_is_refused_before_download(tmp_path):
     assert cuda_packages(CUDA_REPORT) == ["nvidia-cublas-cu12==12.6.4.1"]
     assert cuda_packages({"install": [{"metadata": {"name": "torch",
@@ -110,6 +112,7 @@ def test_torch_floor():
     assert "found 1.13.1+cu117" in install_plan.torch_too_old("1.13.1+cu117")
 
 
+@pytest.mark.slow
 def test_missing_fairseq_names_the_command_that_installs_it():
     proc = subprocess.run([sys.executable, "-c",
                            "import sys; sys.modules['fairseq'] = None; import fairseq_normplug"],
@@ -120,6 +123,7 @@ def test_missing_fairseq_names_the_command_that_installs_it():
     assert "pip install --no-deps --no-build-isolation fairseq-fixed==0.12.3.1" in last
 
 
+@pytest.mark.slow
 def test_pip_install_from_a_clone_keeps_torch(tmp_path):
     """Resolve `pip install .` in this environment (a dry run): nothing replaces torch, and
     the metadata carries the real floor and no fairseq (whose torchaudio would pin torch)."""

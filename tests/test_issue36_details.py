@@ -115,6 +115,7 @@ def test_ablation_models_train_and_decode_incrementally(tiny_bin, flags):
     assert_incremental_matches_full(model, task)
 
 
+@pytest.mark.slow
 def test_fairseq_train_20_updates_and_generate(tiny_bin, tmp_path):
     """Both DyT ablations at once through fairseq-train (20 updates) and fairseq-generate."""
     save_dir = tmp_path / "dyt"

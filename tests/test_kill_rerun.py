@@ -263,6 +263,7 @@ def _run_files(root, pattern):
     return glob.glob(os.path.join(root, "killed", *RUN, pattern))
 
 
+@pytest.mark.slow
 def test_killed_table_reruns_to_the_uninterrupted_results(setup, jobs):
     root = setup
     assert jobs("uninterrupted") == 0, _log(root, "uninterrupted")

@@ -199,6 +199,7 @@ def two_jobs(orch):
     return table_run(orch, "orch", LocalLauncher(jobs=2, cpus_per_run=1, visible_devices=[]), "jobs2")
 
 
+@pytest.mark.slow
 def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
     (out1, results1, messages1), (out2, results2, messages2) = one_job, two_jobs
     assert [r["status"] for r in results1] == ["ok", "ok"] and not results1.failed and not results2.failed
@@ -220,6 +221,7 @@ def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
                                     f"--update-freq 1), 1 thread") for m in messages)
 
 
+@pytest.mark.slow
 def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orch, one_job):
     """The same jobs as on SLURM, run by submitit's local executor; the second run gets the
     preemption signal (SIGUSR2) once its first checkpoint is complete (checkpoint_last.pt, the

@@ -77,6 +77,7 @@ def scheduler_state(save_dir):
     return last["num_updates"], last["lr_scheduler_state"]
 
 
+@pytest.mark.slow
 def test_nowarmup_bleu_mid_epoch_decays_and_lr_floor_stop(tiny_bin, tmp_path):
     """NoWarmup (--warmup-updates 0) at --lr 1e-3 with dev BLEU as the metric, a validation
     every 2 updates, patience 0 (every validation decays, by 0.5): 1e-3 -> 5e-4 -> 2.5e-4 ->
@@ -106,6 +107,7 @@ def test_nowarmup_bleu_mid_epoch_decays_and_lr_floor_stop(tiny_bin, tmp_path):
     assert state["flat_lr"] == 1.25e-4 and len(state["decays"]) == 3
 
 
+@pytest.mark.slow
 def test_val_decay_resume_continues_the_schedule(tiny_bin, tmp_path):
     """ValDecay with warmup to the eq. 7 peak (lambda 0.02, d = 32 from the model, 4 warmup
     updates), validations every 3 updates and at each epoch end, patience 2,
@@ -171,6 +173,7 @@ def test_val_decay_resume_continues_the_schedule(tiny_bin, tmp_path):
     assert [b for _, _, b in logged] == pytest.approx([b for _, _, b in later], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_inv_sqrt_decay_zero_warmup_and_lr_floor(tiny_bin, tmp_path):
     """InvSqrtDecay with --warmup-updates 0 (fairseq's inverse_sqrt divides by zero there):
     lr(n) = 0.01 * (32 n)^-0.5 with d = 32 from the model; lr(4) = 8.8e-4 < --stop-lr 1e-3,
@@ -190,6 +193,7 @@ def test_inv_sqrt_decay_zero_warmup_and_lr_floor(tiny_bin, tmp_path):
     assert scheduler_state(save)[0] == 3
 
 
+@pytest.mark.slow
 def test_bad_flags_fail_with_one_line_before_training(tiny_bin, tmp_path):
     bad_decay, no_valid = train_many([
         (tiny_bin, tmp_path / "a", ["--lr-scheduler", "val_decay", "--lr-decay", "1.5",

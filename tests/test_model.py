@@ -433,12 +433,12 @@ def test_scale_init_is_a_number_or_auto(tiny_bin, capsys):
 
 
 def test_share_all_embeddings_needs_a_joined_dictionary(tiny_raw, tmp_path):
-    from conftest import cli, run_cli
+    from inprocess import run_fairseq
 
     dest = str(tmp_path / "separate")
-    run_cli([cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-             "--trainpref", f"{tiny_raw}/train", "--validpref", f"{tiny_raw}/valid",
-             "--destdir", dest, "--workers", "1"])
+    run_fairseq(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt",
+                 "--trainpref", f"{tiny_raw}/train", "--validpref", f"{tiny_raw}/valid",
+                 "--destdir", dest, "--workers", "1"])
     with pytest.raises(NormplugError, match="--share-all-embeddings needs a joined dictionary.*"
                                             "--share-decoder-input-output-embed"):
         build(dest, "transformer_normplug_wmt_en_de", "--fixnorm")

@@ -242,6 +242,7 @@ def _optimizer_groups(save_dir):
     return [(g["weight_decay"], len(g["params"])) for g in state["param_groups"]]
 
 
+@pytest.mark.slow
 def test_fairseq_train_and_resume(tiny_bin, tmp_path):
     model, _, _ = build(tiny_bin, TINY, "--optimizer", "adam", *CLI_FLAGS)
     n_norm = len(norm_parameter_names(model))
@@ -260,6 +261,7 @@ def test_fairseq_train_and_resume(tiny_bin, tmp_path):
     assert _optimizer_groups(tmp_path) == [(0.1, n_all - n_norm), (0.0, n_norm)]
 
 
+@pytest.mark.slow
 def test_fairseq_train_bad_value_is_one_line_before_data(tiny_bin, tmp_path):
     proc = _train(tiny_bin, tmp_path, 4, "--norm-weight-decay", "-1")
     assert proc.returncode == 2

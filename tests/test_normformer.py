@@ -241,6 +241,7 @@ def test_auto_init_and_norm_stats_see_the_new_norms(tiny_bin):
     assert all(math.isfinite(v) and v > 0 for v in model.auto_scale_init.chosen.values())
 
 
+@pytest.mark.slow
 def test_fairseq_train_and_reload(tiny_bin, tmp_path):
     save_dir = tmp_path / "normformer"
     proc = train(tiny_bin, save_dir, [*NF, "--rmsnorm"], 5, extra=["--log-interval", "1"])

@@ -246,6 +246,7 @@ def test_training_steps_reach_every_parameter(tiny_bin, name):
     assert_training_steps_reach_every_parameter(*build(tiny_bin, TINY, *INCREMENTAL[name]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement,flags", [("resi-dual", ["--checkpoint-activations"]), ("b2t", ["--rmsnorm"])])
 def test_fairseq_train_and_reload(tiny_bin, tmp_path, placement, flags):
     save_dir = tmp_path / placement

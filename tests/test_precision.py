@@ -194,6 +194,7 @@ def half_trained(tiny_bin, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(HALF_TRAINING))
 def test_half_precision_training(half_trained, name):
     save_dir, proc = half_trained[name]
@@ -205,6 +206,7 @@ def test_half_precision_training(half_trained, name):
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
 
 
+@pytest.mark.slow
 def test_generate_fp16_from_a_half_trained_fixnorm_checkpoint(half_trained, tiny_bin):
     save_dir, _ = half_trained["fp16"]
     proc = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR,

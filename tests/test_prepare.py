@@ -75,6 +75,7 @@ def ted_gl_en(ted_archive, tmp_path_factory):
     return dest
 
 
+@pytest.mark.slow
 def test_ted_stages_line_counts_and_content(ted_gl_en):
     expected = expected_pair(ted_rows(), "gl", "en")
     for split in SPLITS:  # raw: exactly the complete rows, in order, right columns
@@ -121,6 +122,7 @@ def test_ted_stages_line_counts_and_content(ted_gl_en):
     assert not glob.glob(ted_gl_en + ".tmp-*")
 
 
+@pytest.mark.slow
 def test_ted_data_is_accepted_by_fairseq_train(ted_gl_en, tmp_path):
     proc = run_cli([
         cli("fairseq-train"), f"{ted_gl_en}/bin", "--arch", "transformer_tiny",
@@ -132,6 +134,7 @@ def test_ted_data_is_accepted_by_fairseq_train(ted_gl_en, tmp_path):
     assert "num_updates 2" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_ted_rerun_with_same_options_does_nothing(ted_gl_en, ted_archive, capsys):
     before = os.stat(f"{ted_gl_en}/manifest.json").st_mtime_ns
     status, err = run_in_process(ted_cli, ["gl", "en", "--archive", ted_archive, "--dest", ted_gl_en,
@@ -140,6 +143,7 @@ def test_ted_rerun_with_same_options_does_nothing(ted_gl_en, ted_archive, capsys
     assert os.stat(f"{ted_gl_en}/manifest.json").st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_ted_other_options_are_refused_unless_overwrite(ted_archive, tmp_path, capsys):
     """Also: a target language with a hyphen (pt-br -> pt_br), sentencepiece, and a re-run
     that rebuilds a folder missing some of its binarized files."""
@@ -172,6 +176,7 @@ def test_ted_other_options_are_refused_unless_overwrite(ted_archive, tmp_path, c
 
 # --- raw corpus, WMT'14, IWSLT'15 ----------------------------------------------------
 
+@pytest.mark.slow
 def test_raw_corpus_is_tokenized_filtered_and_binarized(tmp_path):
     raw = str(tmp_path / "wmtlike")
     pairs = make_raw_corpus(raw)  # valid is named dev.*
@@ -191,6 +196,7 @@ def test_raw_corpus_is_tokenized_filtered_and_binarized(tmp_path):
     assert info["recipe"]["raw_dir"] == os.path.abspath(raw)
 
 
+@pytest.mark.slow
 def test_tokenized_flag_keeps_text_as_is(tmp_path, capsys):
     raw = str(tmp_path / "tok")
     for split, count in (("train", 60), ("valid", 8), ("test", 8)):
@@ -218,6 +224,7 @@ def wrapped(tmp_path_factory):
     return made
 
 
+@pytest.mark.slow
 def test_wmt14_from_local_archives(wrapped):
     content, dest, _ = wrapped["wmt14"]
     train = [pair for member in wmt14_cli.TRAIN_CORPORA.values() for pair in content[member]]
@@ -234,6 +241,7 @@ def test_wmt14_from_local_archives(wrapped):
     assert "normalize-punctuation.perl" not in info["recipe"]["tokenization"]["test"]
 
 
+@pytest.mark.slow
 def test_iwslt15_from_local_files(wrapped):
     counts, dest, files = wrapped["iwslt15"]
     info = manifest(dest)
@@ -362,6 +370,7 @@ def test_foreign_destination_is_never_replaced(ted_archive, tmp_path, capsys):
     assert (dest / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_missing_tool_is_reported(tmp_path):
     stub = tmp_path / "stub" / "subword_nmt"
     stub.mkdir(parents=True)
@@ -399,6 +408,7 @@ def test_help_of_every_script(module, option, capsys):
 TED_AZ_EN = os.path.join(SHARED_DATA, "ted_az_en", "tok")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(TED_AZ_EN), reason="../shared/data/ted_az_en is absent")
 def test_shared_ted_az_en_has_the_published_split_sizes(tmp_path, capsys):
     dest = str(tmp_path / "az-en")
@@ -425,6 +435,7 @@ def test_parallel_line_map_keeps_order_and_count(tmp_path):
 MULTI30K = os.path.join(SHARED_DATA, "multi30k_de_en", "raw")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(MULTI30K), reason="../shared/data/multi30k_de_en is absent")
 def test_shared_multi30k_untokenized_is_tokenized_and_binarized(tmp_path, capsys):
     """The real untokenized Multi30K de-en (29,000 / 1,014 / 1,000 pairs), with a small BPE

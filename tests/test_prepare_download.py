@@ -115,6 +115,7 @@ def test_download_errors_are_clear(server, tmp_path):
         download.fetch(server.url + "data.bin", path, quiet)
 
 
+@pytest.mark.slow
 def test_prepare_ted_downloads_its_archive(server, tmp_path, monkeypatch, capsys):
     archive = make_ted_archive(str(tmp_path / "served.tar.gz"))
     server.files["ted_talks.tar.gz"] = open(archive, "rb").read()

@@ -81,6 +81,7 @@ def setup_copy(tmp_path):
     return run
 
 
+@pytest.mark.slow
 def test_a_full_set_up_records_its_stamp_last_and_is_then_skipped(setup_copy):
     proc, calls, stamp = setup_copy()
     assert proc.returncode == 0, proc.stderr
@@ -106,6 +107,7 @@ def test_a_full_set_up_records_its_stamp_last_and_is_then_skipped(setup_copy):
     assert changed.returncode == 0 and calls and new_stamp != stamp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["plan", "torch", "check", "version", "fairseq", "plugin", "import"])
 def test_a_failed_step_stops_set_up_and_records_nothing(setup_copy, step):
     """Each failing step ends set-up with its exit status and a line naming the command; no
@@ -118,6 +120,7 @@ def test_a_failed_step_stops_set_up_and_records_nothing(setup_copy, step):
     assert "ready:" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_re_run_removes_the_old_stamp(setup_copy):
     """Set-up with new settings fails half-way: the environment is no longer the recorded one,
     so a run with the old settings does not skip set-up either."""
@@ -129,6 +132,7 @@ def test_a_failed_re_run_removes_the_old_stamp(setup_copy):
     assert rerun.returncode == 0 and calls and stamp_again == stamp
 
 
+@pytest.mark.slow
 def test_setup_zero_uses_the_environment_as_it_is(setup_copy, tmp_path):
     proc, calls, stamp = setup_copy(NORMPLUG_SETUP="0")
     assert proc.returncode == 0 and calls == [] and stamp is None and proc.stderr == ""

@@ -115,6 +115,7 @@ def test_half_precision(tiny_bin, placement):
             assert (lprobs.float() - reference)[..., words].abs().max() < AGREEMENT[dtype], (norm_type, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["siamese", "output-norm"])
 def test_train_20_updates_and_generate(tiny_bin, tmp_path, placement):
     save_dir = tmp_path / placement

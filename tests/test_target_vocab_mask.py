@@ -185,6 +185,7 @@ def test_a_mask_built_without_data_waits_for_a_checkpoint():
     assert mask(torch.zeros(1, 4)).tolist() == [[MASKED_LOGIT, 0, 0, MASKED_LOGIT]] and mask.num_allowed == 2
 
 
+@pytest.mark.slow
 def test_fp16_training_then_decoding_from_a_folder_without_training_data(tiny_bin, tmp_path):
     """fairseq-train --fp16 with the paper recipe's output layer (joint embedding, FixNorm,
     mask, output bias, masked label smoothing), then fairseq-generate --fp16 with beam search

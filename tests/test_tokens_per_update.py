@@ -130,6 +130,7 @@ def per_update(log_text: str, path) -> list:
     return [(int(r["num_updates"]), r["wpb"], r["bsz"]) for r in records]
 
 
+@pytest.mark.slow
 def test_one_and_two_gloo_processes_train_with_the_same_tokens_per_update(gloo_run, tmp_path):
     """1 process: 500-token batches, --update-freq 2; 2 gloo processes: one 500-token batch
     each. fairseq deals the shuffled batches round-robin to the ranks, so every update sums the

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from conftest import FAST_START, REPO, write_configs
+from inprocess import run_fairseq
 from test_kill_rerun import KILL_HOOK
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers, ownership, preflight, reproduce, runner
@@ -97,8 +98,6 @@ def trust(tiny_raw, tiny_bin, tmp_path_factory):
 @pytest.fixture(scope="module")
 def long_test_sentence(trust, tiny_raw, tmp_path_factory):
     """The tiny corpus with one more test sentence of 60 tokens."""
-    from conftest import cli, run_cli
-
     root, _, _ = trust
     raw = tmp_path_factory.mktemp("long-raw")
     for split in ("train", "valid", "test"):
@@ -109,9 +108,9 @@ def long_test_sentence(trust, tiny_raw, tmp_path_factory):
         with open(raw / f"test.{lang}", "a") as f:
             f.write(" ".join(words) + "\n")
     data = root / "long-data"
-    run_cli([cli("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt", "--trainpref",
-             f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test", "--destdir",
-             str(data / "bin"), "--joined-dictionary", "--workers", "1"])
+    run_fairseq(["fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref",
+                 f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test", "--destdir",
+                 str(data / "bin"), "--joined-dictionary", "--workers", "1"])
     (data / "ref").mkdir()
     shutil.copy(raw / "test.tgt", data / "ref" / "test.tok.tgt")
     (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
@@ -183,12 +182,14 @@ def assert_trained_once_by_two(root, out, names, reference):
                    for slug in ("prenorm", "prenorm-scalenorm"))
 
 
+@pytest.mark.slow
 def test_two_launchers_started_at_once_train_each_run_once(trust, reference):
     procs = [start_launcher(trust, "once", name) for name in ("once-a", "once-b")]
     assert [finish(proc) for proc in procs] == [0, 0]
     assert_trained_once_by_two(trust[0], "once", ("once-a", "once-b"), reference)
 
 
+@pytest.mark.slow
 def test_a_second_launcher_started_while_the_first_trains_waits_for_it(trust, reference):
     """Staggered: the second starts when the first run has its first checkpoint (where it used
     to load that checkpoint and train beside the first); it trains the other run, then waits."""
@@ -202,6 +203,7 @@ def test_a_second_launcher_started_while_the_first_trains_waits_for_it(trust, re
     assert "[trust src-tgt | PreNorm] held by host" in (root / "staggered-b.log").read_text()
 
 
+@pytest.mark.slow
 def test_a_killed_owners_run_is_taken_over_and_ends_as_if_uninterrupted(trust, reference):
     root = trust[0]
     killed = start_launcher(trust, "takeover", "killed", rows=["PreNorm"])
@@ -239,6 +241,7 @@ def main_of(trust, monkeypatch, capsys):
     return main
 
 
+@pytest.mark.slow
 def test_a_diverging_row_and_an_undecodable_test_sentence(trust, long_test_sentence, main_of):
     """PostNorm at lr 1 without warmup ends as diverged at its first validation, with the dev
     loss against a uniform guess; a row whose model cannot take the longest test sentence is
@@ -276,6 +279,7 @@ def copy_reference_runs(root, out):
     return root / out / "runs" / "trust" / "src-tgt"
 
 
+@pytest.mark.slow
 def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resumes(trust, reference, main_of,
                                                                                    monkeypatch):
     """The last save (update 10) hits a full disk: the run is failed with the cause, the table
@@ -304,6 +308,7 @@ def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resume
     assert not list((folder / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_read_only_results_folder_is_found_before_training_and_after_it(trust, reference, main_of, monkeypatch):
     """Before anything trains: one line naming the folder, no run folder. Read-only only once
     the runs are done: one line, the runs stay done and scored, nothing half-written is left."""
@@ -336,6 +341,7 @@ def test_a_read_only_results_folder_is_found_before_training_and_after_it(trust,
     assert not list((root / "read-only-late").glob("results/*"))
 
 
+@pytest.mark.slow
 def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(trust, reference, main_of):
     root = trust[0]
     folder = copy_reference_runs(root, "corrupt")
@@ -541,6 +547,7 @@ def test_preflight_names_a_mistyped_flag_and_a_dev_sentence_over_the_positions(t
     assert len(problems) == 3 and not (root / "mistakes" / "runs").exists()
 
 
+@pytest.mark.slow
 def test_preflight_of_a_good_table_reports_speed_memory_and_time(trust, main_of):
     root = trust[0]
     code, lines = main_of("trust", "good", "--preflight")
@@ -563,6 +570,7 @@ class LocalSlurm(launchers.SlurmLauncher):
         super().__init__(cluster="local", **kwargs)
 
 
+@pytest.mark.slow
 def test_slurm_runs_the_preflight_as_one_job_and_submits_nothing_when_it_fails(trust, main_of, monkeypatch):
     root = trust[0]
     monkeypatch.setattr(launchers, "SlurmLauncher", LocalSlurm)

@@ -45,6 +45,7 @@ def wheel(tmp_path_factory):
     return path, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_the_package_its_cpp_source_and_its_metadata(wheel):
     path, build_output = wheel
     warned = [w for w in SETUPTOOLS_WARNINGS if w in build_output]
@@ -110,6 +111,7 @@ def isolated_env(venv, root) -> dict:
             "VIRTUAL_ENV": str(venv), "NORMPLUG_CACHE_DIR": str(root / "kernel-cache"), "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_bin, tmp_path):
     venv, site, env = fresh_venv
     user_dir = run_cli(["fairseq-normplug-path"], cwd=str(tmp_path), env=env, timeout=60).stdout.strip()
@@ -135,6 +137,7 @@ def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_
     assert not os.path.commonpath([user_dir, REPO]) == REPO
 
 
+@pytest.mark.slow
 def test_the_projects_jobs_run_from_the_installed_wheel_outside_the_repository(fresh_venv, tmp_path):
     """prepare (its BPE size from the packaged configs/bpe.json), reproduce's --print-commands
     and the demo (tests/tiny_demo.py: one row, 4 updates) from the wheel, in a folder outside

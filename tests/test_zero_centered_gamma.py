@@ -257,6 +257,7 @@ def test_stats_plots_and_conversion_read_the_applied_gain():
 RUNS = {"dyt": ["--dyt", "--norm-stats-interval", "5"], "prenorm-rmsnorm": ["--prenorm", "--rmsnorm"]}
 
 
+@pytest.mark.slow
 def test_fairseq_train_and_reload(tiny_bin, tmp_path):
     """10 updates of fairseq-train with --zero-centered-gamma (DyT; PreNorm RMSNorm), both at
     once: finite losses, the logged mean gain is that of 1 + gamma (about 1, not 0), and the

@@ -204,6 +204,7 @@ def saved_model_args(path):
     return checkpoint_utils.load_checkpoint_to_cpu(str(path))["cfg"]["model"]
 
 
+@pytest.mark.slow
 def test_fairseq_train_takes_the_norm_and_its_flag_and_records_the_extension(trained):
     save_dir, log = trained
     assert '"train_num_updates": "20"' in log
@@ -213,6 +214,7 @@ def test_fairseq_train_takes_the_norm_and_its_flag_and_records_the_extension(tra
     assert args.normplug_modules == EXTENSION  # recorded absolute, so any folder can decode it
 
 
+@pytest.mark.slow
 def test_fairseq_generate_and_the_hub_decode_without_being_told(trained, corpus):
     save_dir, _ = trained
     proc = run(f"{BIN}/fairseq-generate", corpus, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt",
@@ -238,6 +240,7 @@ def test_fairseq_generate_and_the_hub_decode_without_being_told(trained, corpus)
     assert int(count) == 2 * 2 + 2 * 3 + 2 and partial == "{16}"  # 2+2 layers and 2 final norms, d=64, p=0.25
 
 
+@pytest.mark.slow
 def test_fairseq_hydra_train_takes_the_extension_as_an_override(corpus, tmp_path):
     """``model.normplug_modules=PATH`` on the hydra command line loads it before hydra checks the
     model's keys, so the norm type and its own flag are accepted there too."""
@@ -252,6 +255,7 @@ def test_fairseq_hydra_train_takes_the_extension_as_an_override(corpus, tmp_path
     assert args["normplug_modules"] == EXTENSION
 
 
+@pytest.mark.slow
 def test_a_moved_extension_is_named_in_one_line(trained, corpus, tmp_path):
     save_dir, _ = trained
     state = torch.load(save_dir / "checkpoint_last.pt", weights_only=False)
@@ -269,6 +273,7 @@ def test_a_moved_extension_is_named_in_one_line(trained, corpus, tmp_path):
     assert "Generate test with beam=" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_an_installed_package_is_loaded_through_its_entry_point(tmp_path):
     """What ``pip install examples/normplug_extension`` leaves: the package on the path and its
     distribution's entry point; nothing else names the extension."""
@@ -283,6 +288,7 @@ def test_an_installed_package_is_loaded_through_its_entry_point(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == "normplug_extension_example.partial_rms_norm"
 
 
+@pytest.mark.slow
 def test_the_environment_variable_loads_it_in_any_command(tmp_path):
     proc = run(sys.executable, "-c", "import fairseq_normplug\nfrom fairseq_normplug.models.placements import "
                "PLACEMENTS\nprint(PLACEMENTS['parallel'].__module__)", env={"NORMPLUG_MODULES": EXTENSION},
