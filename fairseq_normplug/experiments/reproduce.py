@@ -23,7 +23,7 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, launchers, preflight, tables
 from fairseq_normplug.experiments.configs import (
-    CONFIG_DIR, PROJECT_DIR, Table, available_tables, check_pair, load_data_locations, load_table,
+    CONFIG_DIR, PAIR_PATTERN, PROJECT_DIR, Table, available_tables, check_pair, load_data_locations, load_table,
     under_recipe, with_added_rows,
 )
 from fairseq_normplug.experiments.ownership import live_holder
@@ -60,6 +60,9 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     """All (pair, row, seed) runs, after checking every input (nothing is trained on bad input).
     ``check_data=False`` (``--print-commands``) accepts a data folder not prepared yet: its
     commands are printed as the prepare scripts' default (subword-nmt) would make them."""
+    repeated = sorted({name for name in rows if list(rows).count(name) > 1})
+    if repeated:
+        raise NormplugError(f"--rows names {repeated[0]!r} twice; name each row once")
     selected = [table.row(name) for name in rows] if rows else table.rows
     runs = []
     for pair in pairs:
@@ -76,7 +79,20 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
                 runs.append(Run(table=table, row=row, pair=pair, data_dir=data_dirs[pair], seed=seed,
                                 run_dir=run_folder(runs_dir, table.name, pair, row.name, seed),
                                 assumed_subword=assumed))
+    check_run_folders(runs)
     return runs
+
+
+def check_run_folders(runs: List[Run]) -> None:
+    """One run folder per run: two runs mapped to one folder (a row ``PreNorm`` with seed 2 and a
+    row ``PreNorm seed2``, both ``prenorm-seed2``) would report one result under both names, so
+    they are refused in one line, naming both and the folder, before anything trains."""
+    owners: Dict[str, Run] = {}
+    for run in runs:
+        other = owners.setdefault(run.run_dir, run)
+        if other is not run:
+            raise NormplugError(f"runs {other.label!r} and {run.label!r} map to one run folder ({run.run_dir}): "
+                                f"one run's result would be reported for both; rename one row")
 
 
 def _scored(run: Run) -> bool:
@@ -204,13 +220,22 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
     except OSError as error:  # a read-only or full results folder: one line, the runs are kept
         raise NormplugError(f"cannot write the results table to {results_dir}: {error.strerror or error}; "
                             f"the runs are kept: fix it and run --collect") from None
-    for folder, folder_runs in figure_folders(runs, results_dir).items():
+    drawn = []
+    folders = figure_folders(runs, results_dir)
+    for folder, folder_runs in folders.items():
         logs = figure_logs(folder_runs)
         if not logs:
             continue
         os.makedirs(folder, exist_ok=True)
         for name, outcome in figures.make_figures(figures.load_logs(logs), folder).items():
             echo(f"[reproduce] figure {name}: {outcome}")
+            drawn.append(outcome)
+    # a figure of an earlier write (other pairs, rows or logs) never sits beside this table
+    pair_folders = [os.path.join(results_dir, name) for name in sorted(os.listdir(results_dir))
+                    if PAIR_PATTERN.fullmatch(name) and os.path.isdir(os.path.join(results_dir, name))]
+    for folder in dict.fromkeys([results_dir, *folders, *pair_folders]):
+        for path in figures.remove_stale_figures(folder, drawn):
+            echo(f"[reproduce] removed the stale figure {path}")
     echo(f"[reproduce] results: {os.path.join(results_dir, 'results.md')}, "
          f"{os.path.join(results_dir, 'results.csv')}")
     return results
@@ -255,6 +280,9 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
         problem = preflight.folder_problem(folder, what)
         if problem:
             raise NormplugError(f"{problem}; nothing was run")
+    problem = tables.results_owner_problem(results_dir, table.name)
+    if problem:
+        raise NormplugError(f"{problem}; nothing was run")
     per_pair = len(runs) // len(pairs)
     shape = f"{per_pair} rows" if len(seeds) == 1 else f"{per_pair // len(seeds)} rows x {len(seeds)} seeds"
     echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {shape})")

@@ -1,0 +1,138 @@
+"""A results table is never silently wrong (issue 50), without training: run folders written by
+hand (status.json, scores.json, train.log as the runner writes them) collected in-process with
+``reproduce.main([... "--collect"])`` and :func:`tables.write_results`. One table per results
+folder, no stale figure beside a new table."""
+import csv
+import json
+import os
+
+import pytest
+
+from conftest import write_configs
+from fairseq_normplug.experiments import reproduce, tables
+from fairseq_normplug.experiments.configs import load_table
+
+ROWS = [{"name": "PreNorm", "model": ["--prenorm"], "schedule": "no_warmup"},
+        {"name": "PreNorm + ScaleNorm", "model": ["--prenorm", "--scalenorm"], "schedule": "no_warmup"}]
+TABLES = {"alpha": {"title": "Alpha", "recipe": "cpu_tiny", "pairs": ["src-tgt"], "rows": ROWS},
+          "beta": {"title": "Beta", "recipe": "cpu_tiny", "pairs": ["src-tgt"], "rows": ROWS[:1]}}
+SLUGS = {"PreNorm": "prenorm", "PreNorm + ScaleNorm": "prenorm-scalenorm"}
+SCORES = {"tokenized_bleu": 12.5, "sacrebleu": 11.0, "sacrebleu_signature": "nrefs:1|tok:13a", "chrf": 40.0,
+          "chrf++": 38.0, "chrf_signature": "nrefs:1|nc:6|nw:0", "selected_update": 10, "dev_bleu": 3.0}
+
+
+def log_lines(updates=(5, 10)) -> str:
+    """A --log-format json train.log: gradient norms and dev BLEU (figures 1 and 2)."""
+    lines = []
+    for update in updates:
+        lines.append(f"2026-01-01 00:00:{update:02d} | INFO | train_inner | "
+                     + json.dumps({"epoch": 1, "loss": "5.1", "gnorm": f"{1 + update / 10}", "num_updates": str(update)}))
+        lines.append(f"2026-01-01 00:00:{update:02d} | INFO | valid | "
+                     + json.dumps({"epoch": 1, "valid_loss": "5.0", "valid_bleu": f"{update / 4}",
+                                   "valid_num_updates": str(update)}))
+    return "\n".join(lines) + "\n"
+
+
+def write_run(folder, status=None, scores=SCORES, log=None):
+    """A run folder as the runner leaves a finished run (status done, scored, its log)."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "status.json"), "w") as f:
+        json.dump(status or {"status": "done", "updates": 10, "minutes": 1.5, "stopped_by": "--max-update 10"}, f)
+    if scores is not None:
+        with open(os.path.join(folder, "scores.json"), "w") as f:
+            json.dump(scores, f)
+    with open(os.path.join(folder, "train.log"), "w") as f:
+        f.write(log_lines() if log is None else log)
+
+
+@pytest.fixture
+def collect(tmp_path, monkeypatch, capsys):
+    """``collect(table, *args)``: reproduce.main of a table of ``TABLES`` over the hand-written run
+    folders of ``tmp_path/runs`` into ``tmp_path/results`` (default); (exit code, stdout lines)."""
+    configs = write_configs(tmp_path / "configs", tables=TABLES)
+    monkeypatch.setattr(reproduce, "load_table", lambda name: load_table(name, configs))
+    data = tmp_path / "data"
+    for name in ("bin/dict.src.txt", "bin/dict.tgt.txt", "bin/train.src-tgt.src.bin", "ref/test.tok.tgt"):
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_text("x 1\n")
+    (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
+    for table, spec in TABLES.items():
+        for row in spec["rows"]:
+            write_run(tmp_path / "runs" / table / "src-tgt" / SLUGS[row["name"]])
+
+    def main(table, *args, results="results"):
+        argv = [table, "--collect", "--data", f"src-tgt={data}", "--runs-dir", str(tmp_path / "runs"),
+                "--results-dir", str(tmp_path / results), *args]
+        try:
+            reproduce.main(argv)
+            code = 0
+        except SystemExit as exit_info:
+            code = exit_info.code
+        return code, capsys.readouterr().out.strip().splitlines()
+    return main
+
+
+def read_csv(path) -> list:
+    with open(path, encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_results_folder_belongs_to_one_table(collect, tmp_path):
+    """Another table collected into a table's results folder is refused in one line naming the
+    owner; its results and figures stay as they were. Its own folder takes it."""
+    code, lines = collect("alpha")
+    assert code == 0 and lines[-1] == "[reproduce] collected 2 of 2 runs with a result"
+    results = tmp_path / "results"
+    assert (results / "table.txt").read_text() == "alpha\n" and (results / "fig2_grad_norm.png").exists()
+    before = {name: (results / name).read_bytes() for name in os.listdir(results)}
+    code, lines = collect("beta")
+    assert code == (f"reproduce.sh: error: the results folder {results} holds the results of table alpha, not beta: "
+                    f"give beta its own --results-dir, or delete {results}")
+    assert {name: (results / name).read_bytes() for name in os.listdir(results)} == before
+    code, lines = collect("alpha")  # its own table again: rewritten
+    assert code == 0 and [row["table"] for row in read_csv(results / "results.csv")] == ["alpha", "alpha"]
+    code, lines = collect("beta", results="beta-results")
+    assert code == 0 and [row["table"] for row in read_csv(tmp_path / "beta-results" / "results.csv")] == ["beta"]
+
+
+def test_a_folder_written_before_the_owner_file_is_owned_by_its_results_csv(tmp_path):
+    rows = [{"table": "alpha", "pair": "src-tgt", "row": "PreNorm", "config": "--prenorm", "status": "failed"}]
+    tables.write_results(rows, str(tmp_path), paper={"tables": {}})
+    os.remove(tmp_path / "table.txt")
+    with pytest.raises(tables.NormplugError, match="holds the results of table alpha, not beta"):
+        tables.write_results([{**rows[0], "table": "beta"}], str(tmp_path), paper={"tables": {}})
+    assert read_csv(tmp_path / "results.csv")[0]["table"] == "alpha"
+    tables.write_results(rows, str(tmp_path), paper={"tables": {}})
+    assert (tmp_path / "table.txt").read_text() == "alpha\n"
+
+
+def test_a_table_never_trains_into_another_tables_results_folder(collect, tmp_path):
+    """Before anything trains (run_table) and in --preflight: one line."""
+    code, _ = collect("alpha")
+    os.remove(tmp_path / "runs" / "beta" / "src-tgt" / "prenorm" / "status.json")  # beta's run would train
+    beta = load_table("beta", str(tmp_path / "configs"))
+    with pytest.raises(tables.NormplugError) as error:
+        reproduce.run_table(beta, ["src-tgt"], {"src-tgt": str(tmp_path / "data")}, str(tmp_path / "runs"),
+                            str(tmp_path / "results"), echo=lambda m: None)
+    assert str(error.value).endswith("holds the results of table alpha, not beta: give beta its own --results-dir, "
+                                     f"or delete {tmp_path / 'results'}; nothing was run")
+    assert not os.path.exists(tmp_path / "runs" / "beta" / "src-tgt" / "prenorm" / "status.json")
+
+
+def test_no_stale_figure_is_left_beside_a_table(collect, tmp_path):
+    """A figure drawn before (figures.py into the folder, or an earlier write whose logs held
+    its keys) that this table does not draw is deleted when the table is written."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "dyt_alpha.png").write_bytes(b"\x89PNG old")
+    (results / "fig1_dev_bleu.png").write_bytes(b"\x89PNG old")
+    (results / "notes.txt").write_text("mine")
+    code, lines = collect("alpha")
+    assert code == 0 and f"[reproduce] removed the stale figure {results / 'dyt_alpha.png'}" in lines
+    assert not (results / "dyt_alpha.png").exists() and (results / "notes.txt").read_text() == "mine"
+    assert (results / "fig1_dev_bleu.png").read_bytes() != b"\x89PNG old"
+    for slug in SLUGS.values():  # logs without dev BLEU now: figure 1 is not drawn, and not left
+        (tmp_path / "runs" / "alpha" / "src-tgt" / slug / "train.log").write_text(
+            "".join(line + "\n" for line in log_lines().splitlines() if "| valid |" not in line))
+    code, lines = collect("alpha")
+    assert code == 0 and not (results / "fig1_dev_bleu.png").exists() and (results / "fig2_grad_norm.png").exists()
