@@ -3,9 +3,23 @@ one, never a half-written one. Standard library only, so that every layer of the
 (checkpoints, tables, figures, conversions) can use it."""
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from typing import Iterator
+
+
+def _new_temporary_file(directory: str, prefix: str, suffix: str) -> str:
+    """Create a new empty file of a unique name in ``directory`` and return its path. Its mode is
+    what a plain ``open(path, "w")`` gives (0666 less the umask, and a default ACL), not
+    ``tempfile.mkstemp``'s 0600: results, figures and checkpoints stay readable by the group."""
+    for _ in range(100):
+        candidate = os.path.join(directory, f"{prefix}{secrets.token_hex(4)}{suffix}")
+        try:
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name {prefix}*{suffix} in {directory}")
 
 
 @contextlib.contextmanager
@@ -14,9 +28,7 @@ def atomic_output(path: str) -> Iterator[str]:
     ``path`` (readers never see a half-written file), else delete it."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                                   suffix=".tmp")
-    os.close(handle)
+    tmp = _new_temporary_file(directory, "." + os.path.basename(path) + ".", ".tmp")
     try:
         yield tmp
         os.replace(tmp, path)
