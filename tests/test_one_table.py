@@ -136,3 +136,59 @@ def test_no_stale_figure_is_left_beside_a_table(collect, tmp_path):
             "".join(line + "\n" for line in log_lines().splitlines() if "| valid |" not in line))
     code, lines = collect("alpha")
     assert code == 0 and not (results / "fig1_dev_bleu.png").exists() and (results / "fig2_grad_norm.png").exists()
+
+
+# --------------------------------------------------------------------------- every run record is validated on read
+
+
+def test_a_bad_status_or_scores_json_is_named_the_run_failed_and_the_table_written(collect, tmp_path):
+    """``"minutes": "x"`` in a status.json used to stop --collect (``result field minutes='x' is
+    not a number``) and leave the old results.csv; a scores.json field of the wrong type too."""
+    results, folder = tmp_path / "results", tmp_path / "runs" / "alpha" / "src-tgt"
+    code, _ = collect("alpha")
+    assert code == 0 and [row["status"] for row in read_csv(results / "results.csv")] == ["ok", "ok"]
+    status = json.loads((folder / "prenorm" / "status.json").read_text())
+    (folder / "prenorm" / "status.json").write_text(json.dumps({**status, "minutes": "x"}))
+    (folder / "prenorm-scalenorm" / "scores.json").write_text(json.dumps({**SCORES, "sacrebleu": "x"}))
+    code, lines = collect("alpha")
+    assert code == 0 and lines[-1] == "[reproduce] collected 0 of 2 runs with a result"
+    assert (f"[reproduce] alpha src-tgt | PreNorm: {folder / 'prenorm' / 'status.json'}: minutes='x' is not a number; "
+            f"the run is failed, a re-run resumes it from its checkpoints") in lines
+    assert (f"[reproduce] alpha src-tgt | PreNorm + ScaleNorm: {folder / 'prenorm-scalenorm' / 'scores.json'}: "
+            f"sacrebleu='x' is not a number; the run is failed, a re-run decodes its test set again") in lines
+    rows = read_csv(results / "results.csv")
+    assert [(row["status"], row["minutes"], row["tokenized_bleu"]) for row in rows] == [("failed", "", ""),
+                                                                                       ("failed", "1.5", "")]
+
+
+@pytest.mark.parametrize("field,value", [("updates", "61"), ("updates", 1.5), ("status", "finished"),
+                                         ("command", "fairseq-train"), ("stopped_by", 3)])
+def test_each_record_field_of_the_wrong_type_is_named_with_its_path(tmp_path, field, value):
+    from fairseq_normplug.experiments.runner import record_problem
+
+    path = str(tmp_path / "status.json")
+    assert record_problem(path, {"status": "done", field: value}).startswith(f"{path}: {field}")
+    assert record_problem(path, {"status": "done", "updates": 10, "minutes": 2, "stopped_by": None}) is None
+    assert record_problem(str(tmp_path / "scores.json"), {}) == f"{tmp_path / 'scores.json'} has no test BLEU " \
+                                                                 f"(tokenized_bleu)"
+
+
+@pytest.mark.parametrize("log", [
+    "\x00\x01 garbage \x7f" * 50 + "\nnot a log\n",
+    "2026-01-01 00:00:00 | INFO | fairseq_cli.train | done training in 1.0 seconds\n",  # --log-format none
+])
+def test_a_garbage_train_log_is_named_and_no_figure_advises_flags_the_run_had(collect, tmp_path, log):
+    """A log of a trained run without one training record is named in one line and left out of
+    the figures; a figure it is missing from says so (it used to advise ``--norm-stats-interval``,
+    or, for a --log-format none log, stop the table). The run's score stands."""
+    folder = tmp_path / "runs" / "alpha" / "src-tgt" / "prenorm-scalenorm"
+    (folder / "train.log").write_text(log)
+    code, lines = collect("alpha")
+    assert code == 0 and lines[-1] == "[reproduce] collected 2 of 2 runs with a result"
+    path = folder / "train.log"
+    named = [line for line in lines if line.startswith("[reproduce] alpha src-tgt | PreNorm + ScaleNorm: ")]
+    assert len(named) == 1 and str(path) in named[0] and named[0].endswith("; left out of the figures")
+    scalenorm_g = next(line for line in lines if line.startswith("[reproduce] figure scalenorm_g: "))
+    assert scalenorm_g.endswith(f"; left out as unreadable: {path}")
+    assert (tmp_path / "results" / "fig2_grad_norm.png").exists()  # drawn from the good log
+    assert [row["status"] for row in read_csv(tmp_path / "results" / "results.csv")] == ["ok", "ok"]

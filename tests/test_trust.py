@@ -350,6 +350,27 @@ def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(t
     assert table_csv(root / "corrupt") == reference
 
 
+def test_a_bad_status_or_scores_field_is_failed_until_the_rerun_repairs_it(trust, reference, main_of):
+    """Issue 50: ``"minutes": "x"`` in a status.json, ``"sacrebleu": "x"`` in a scores.json:
+    --collect names both files, fails both runs and writes the table; the re-run trains nothing,
+    records the first run done from its checkpoints, decodes the second again, and writes the
+    uninterrupted table."""
+    root = trust[0]
+    folder = copy_reference_runs(root, "bad-records")
+    status = json.loads((folder / "prenorm" / "status.json").read_text())
+    (folder / "prenorm" / "status.json").write_text(json.dumps({**status, "minutes": "x"}))
+    scores = json.loads((folder / "prenorm-scalenorm" / "scores.json").read_text())
+    (folder / "prenorm-scalenorm" / "scores.json").write_text(json.dumps({**scores, "sacrebleu": "x"}))
+    code, lines = main_of("trust", "bad-records", "--collect")
+    assert code == 0 and lines[-1] == "[reproduce] collected 0 of 2 runs with a result"
+    assert sum(str(folder / "prenorm" / "status.json") in line for line in lines) >= 1
+    assert [row["status"] for row in table_csv(root / "bad-records")] == ["failed", "failed"]
+    code, lines = main_of("trust", "bad-records")
+    assert code == 0 and sum("translating the test set" in line for line in lines) == 1
+    assert not any("training (" in line for line in lines)
+    assert table_csv(root / "bad-records") == reference
+
+
 # --------------------------------------------------------------------------- checked before any work
 
 

@@ -32,7 +32,7 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.ownership import RunOwnership, live_holder, zombie
 from fairseq_normplug.experiments.preflight import check_table
-from fairseq_normplug.experiments.runner import Run, evaluate, read_scores, train
+from fairseq_normplug.experiments.runner import Run, evaluate, read_scores, record_problem, train
 
 Echo = Callable[[str], None]
 LAUNCHERS = ("local", "slurm")
@@ -430,12 +430,15 @@ def failure_of(run: Run) -> Optional[str]:
     if state == "done":
         if read_scores(run.path("scores.json")) is not None:
             return None
-        error = status.get("run_error")
+        error = status.get("run_error") or record_problem(run.path("scores.json"))
         return f"trained, not evaluated{': ' + error if error else ''}"
     if state == "failed":
         error = f": {status['error']}" if status.get("error") else ""
         return f"training failed (exit {status.get('exit_code')}){error}"
     if state == "running":
         return "interrupted while training (its process ended without a result)"
+    bad_status = record_problem(run.path("status.json"))
+    if bad_status:
+        return f"its record is bad: {bad_status} (a re-run resumes it from its checkpoints)"
     error = status.get("run_error")
     return f"not trained{': ' + error if error else ''}"

@@ -32,7 +32,7 @@ from fairseq_normplug.experiments.runner import (
     Run, check_data_dir, command_batching, generate_command, last_flag_value, read_scores,
     plan_summary, run_folder, test_hypotheses, test_references, train_flags, training_plan,
 )
-from fairseq_normplug.experiments.training_log import parse_training_log
+from fairseq_normplug.experiments.training_log import TrainingLog, parse_training_log
 
 SPEED_PATH = os.path.join(CONFIG_DIR, "speed.json")
 
@@ -41,8 +41,8 @@ SPEED_PATH = os.path.join(CONFIG_DIR, "speed.json")
 def result_status(run: Run, collecting: bool = False) -> str:
     """A run's one results.csv status: ``ok`` (trained and scored), ``diverged`` (a result),
     ``running`` (a live launcher owns it, or the table is still running: ``collecting``), or
-    ``failed``: it failed, or trained without a score, or its process ended without a result.
-    ``pending``: not started, in a table collected while it runs (``--collect``)."""
+    ``failed``: it failed, or trained without a score, or its process ended without a result, or
+    a record of it is bad (runner.record_problem: named when the table is written). ``pending``: not started, in a table collected while it runs (``--collect``)."""
     state = run.status()["status"]
     if state == "done":
         return "ok" if read_scores(run.path("scores.json")) is not None else "failed"
@@ -50,7 +50,7 @@ def result_status(run: Run, collecting: bool = False) -> str:
         return "diverged"
     if live_holder(run.run_dir) is not None:
         return "running"
-    if collecting and state in ("running", "pending"):
+    if collecting and state in ("running", "pending") and not run.record_problems():
         return state
     return "failed"
 
@@ -148,8 +148,8 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
         p_values[(pair, row_name)] = cell_p_value(cell, baseline, metric) if baseline else None
     out = []
     for run in runs:
-        status = run.status()
-        scores = read_scores(run.path("scores.json")) or {}
+        status, state = run.status(), result_status(run, collecting)
+        scores = (read_scores(run.path("scores.json")) or {}) if state == "ok" else {}  # a failed run's: not shown
         out.append({
             "table": table.name, "pair": run.pair, "row": run.row.name, "seed": run.seed,
             "config": tables.config_string(run.row.model + run.row.train, run.row.schedule),
@@ -160,7 +160,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "p_value": p_values[(run.pair, run.row.name)] if scores else None,
             "seeds_p_value": None,
             "length_ratio": bleu.length_ratio(scores),
-            "status": result_status(run, collecting),
+            "status": state,
             "updates": status.get("updates"), "minutes": status.get("minutes"),
             "stopped_by": status.get("stopped_by") or status.get("diverged"),
             "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
@@ -189,6 +189,38 @@ class TableResults(list):
         self.runs, self.failed = runs, failed
 
 
+def log_problem(run: Run, log: Optional[TrainingLog]) -> Optional[str]:
+    """Why the parsed train.log ``log`` of ``run`` cannot be drawn: no training record in the log
+    of a run that trained (garbage, another file's content), else None."""
+    updates = run.status().get("updates") or 0
+    if log is not None and not log.records and (updates > 0 or run.status()["status"] == "done"):
+        return (f"{run.path('train.log')} holds no training record, but the run trained "
+                f"({updates} updates): not a fairseq-train log")
+    return None
+
+
+def readable_logs(runs: List[Run], echo: Callable[[str], None] = print) -> Tuple[dict, List[str]]:
+    """({figure label: the parsed train.log of each of its seeds}, [the logs left out]): a log that
+    cannot be read or holds no record of a run that trained is named in one line and left out
+    (a figure it would be missing from says so, instead of advising flags the run had)."""
+    logs: Dict[str, list] = {}
+    left_out = []
+    for label, paths in figure_logs(runs).items():
+        for path in paths:
+            run = next(run for run in runs if run.path("train.log") == path)
+            try:
+                parsed = parse_training_log(path)
+                problem = log_problem(run, parsed)
+            except (NormplugError, OSError) as error:
+                parsed, problem = None, f"{path} cannot be read: {error}"
+            if problem:
+                echo(f"[reproduce] {run.label}: {problem}; left out of the figures")
+                left_out.append(path)
+            else:
+                logs.setdefault(label, []).append(parsed)
+    return logs, left_out
+
+
 def figure_logs(runs: List[Run]) -> Dict[str, List[str]]:
     """{figure label (the row's name): the train.log of each of its seeds}, for the runs of one
     pair; figures draw several seeds as a band."""
@@ -213,6 +245,11 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
     """results.csv, results.md and the figures from whatever the runs' folders hold now; the
     cells and p-values in ``metric`` (--metric) instead of the table's configs/paper_results.json one."""
     paper = tables.with_cell_metric(tables.load_paper_results(), table.name, metric)
+    repairs = {"status.json": "resumes it from its checkpoints", "scores.json": "decodes its test set again"}
+    for run in runs:  # a bad record is never tabulated: named in one line, and the run is failed
+        for problem in run.record_problems():
+            repair = next(text for name, text in repairs.items() if problem.startswith(run.path(name)))
+            echo(f"[reproduce] {run.label}: {problem}; the run is failed, a re-run {repair}")
     results = result_rows(table, runs, paper, collecting=collecting)
     try:
         os.makedirs(results_dir, exist_ok=True)
@@ -223,12 +260,13 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
     drawn = []
     folders = figure_folders(runs, results_dir)
     for folder, folder_runs in folders.items():
-        logs = figure_logs(folder_runs)
+        logs, left_out = readable_logs(folder_runs, echo)
         if not logs:
             continue
         os.makedirs(folder, exist_ok=True)
-        for name, outcome in figures.make_figures(figures.load_logs(logs), folder).items():
-            echo(f"[reproduce] figure {name}: {outcome}")
+        for name, outcome in figures.make_figures(logs, folder).items():
+            unread = f"; left out as unreadable: {', '.join(left_out)}" if left_out else ""
+            echo(f"[reproduce] figure {name}: {outcome}{unread if outcome.startswith('skipped') else ''}")
             drawn.append(outcome)
     # a figure of an earlier write (other pairs, rows or logs) never sits beside this table
     pair_folders = [os.path.join(results_dir, name) for name in sorted(os.listdir(results_dir))
