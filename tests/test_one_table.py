@@ -3,6 +3,7 @@ hand (status.json, scores.json, train.log as the runner writes them) collected i
 ``reproduce.main([... "--collect"])`` and :func:`tables.write_results`. One table per results
 folder, no stale figure beside a new table."""
 import csv
+import errno
 import json
 import os
 
@@ -192,3 +193,76 @@ def test_a_garbage_train_log_is_named_and_no_figure_advises_flags_the_run_had(co
     assert scalenorm_g.endswith(f"; left out as unreadable: {path}")
     assert (tmp_path / "results" / "fig2_grad_norm.png").exists()  # drawn from the good log
     assert [row["status"] for row in read_csv(tmp_path / "results" / "results.csv")] == ["ok", "ok"]
+
+
+# --------------------------------------------------------------------------- leftovers and causes
+
+
+def full_disk_for(name):
+    """An ``open`` that fails as a full disk does for files whose name holds ``name``: the file is
+    created (0 bytes) and the write fails with ENOSPC."""
+    import builtins
+
+    def full_disk_open(path, *args, **kwargs):
+        mode = args[0] if args else kwargs.get("mode", "r")
+        if name in os.path.basename(str(path)) and "w" in mode:
+            builtins.open(path, *args, **kwargs).close()
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return builtins.open(path, *args, **kwargs)
+    return full_disk_open
+
+
+def test_a_full_disk_leaves_no_temporary_status_file_and_the_summary_names_enospc(collect, tmp_path, monkeypatch):
+    """The disk fills up while a run's status.json is written: no 0-byte status.json temporary
+    is left, and the table's last line names ENOSPC though status.json could not record it."""
+    from fairseq_normplug import atomic_files
+    from fairseq_normplug.experiments import launchers, runner
+
+    folder = tmp_path / "runs" / "alpha" / "src-tgt" / "prenorm"
+    for name in ("status.json", "scores.json"):
+        os.remove(folder / name)
+
+    def disk_full_training(run, extra, echo):
+        run.set_status(status="running")
+
+    for module in (atomic_files, runner):
+        monkeypatch.setattr(module, "open", full_disk_for("status.json"), raising=False)
+    monkeypatch.setattr(launchers, "train", disk_full_training)
+    lines = []
+    results = reproduce.run_table(load_table("alpha", str(tmp_path / "configs")), ["src-tgt"],
+                                  {"src-tgt": str(tmp_path / "data")}, str(tmp_path / "runs"), str(tmp_path / "results"),
+                                  echo=lines.append)
+    assert [run.row.name for run, _, _ in results.failed] == ["PreNorm"]
+    assert lines[-1].startswith("[reproduce] FAILED alpha src-tgt | PreNorm: not trained; OSError ENOSPC: "
+                                "[Errno 28] No space left on device: ") and "ENOSPC: the disk is full" not in lines[-1]
+    assert sorted(os.listdir(folder)) == ["train.log"]  # no status.json.tmp-PID, no .status.json.*.tmp
+    assert reproduce.with_errno_names("training failed (exit 1): OSError: [Errno 28] No space left on device") == \
+        "training failed (exit 1): OSError: [Errno 28] No space left on device (ENOSPC: the disk is full)"
+
+
+def test_collect_without_any_result_names_each_runs_cause(collect, tmp_path):
+    folder = tmp_path / "runs" / "alpha" / "src-tgt"
+    os.remove(folder / "prenorm" / "status.json")
+    (folder / "prenorm-scalenorm" / "scores.json").write_text("{}")
+    code, lines = collect("alpha")
+    assert code == 0 and lines[-3:] == [
+        f"[reproduce] no result for alpha src-tgt | PreNorm: not trained; log: {folder / 'prenorm' / 'train.log'}",
+        f"[reproduce] no result for alpha src-tgt | PreNorm + ScaleNorm: trained, not evaluated: "
+        f"{folder / 'prenorm-scalenorm' / 'scores.json'} has no test BLEU (tokenized_bleu); "
+        f"log: {folder / 'prenorm-scalenorm' / 'train.log'}",
+        "[reproduce] collected 0 of 2 runs with a result"]
+
+
+def test_a_full_disk_while_status_json_is_written_leaves_the_old_one_and_no_temporary(collect, tmp_path, monkeypatch):
+    from fairseq_normplug import atomic_files
+    from fairseq_normplug.experiments import runner
+
+    run = reproduce.plan_runs(load_table("alpha", str(tmp_path / "configs")), ["src-tgt"],
+                              {"src-tgt": str(tmp_path / "data")}, str(tmp_path / "runs"))[0]
+    before = open(run.path("status.json")).read()
+    for module in (atomic_files, runner):
+        monkeypatch.setattr(module, "open", full_disk_for("status.json"), raising=False)
+    with pytest.raises(OSError, match="No space left on device"):
+        run.set_status(status="running")
+    assert sorted(os.listdir(run.run_dir)) == ["scores.json", "status.json", "train.log"]
+    assert open(run.path("status.json")).read() == before

@@ -294,6 +294,8 @@ def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resume
     status = json.loads((folder / "status.json").read_text())
     assert status["status"] == "failed" and "No space left on device" in status["error"]
     assert lines[-1].startswith("[reproduce] FAILED trust src-tgt | PreNorm: training failed (exit 1): ")
+    assert "(ENOSPC: the disk is full)" in lines[-1]  # issue 50: the summary names it
+    assert not list(folder.glob("*status.json*tmp*"))  # no 0-byte status.json temporary
     assert table_csv(root / "full")[0]["status"] == "failed"
     assert list((folder / "checkpoints").glob("*.tmp"))  # the cut save
     monkeypatch.delenv("NORMPLUG_TEST_ENOSPC_AT")

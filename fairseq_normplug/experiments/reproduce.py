@@ -10,9 +10,11 @@ of running it. The table is written whatever its runs did; exits 1 when a run fa
 run is a result). See docs/experiments.md.
 """
 import argparse
+import errno
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 import time
@@ -279,14 +281,28 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
     return results
 
 
-def failed_runs(runs: List[Run], logs: Optional[Dict[str, str]] = None) -> List[Tuple[Run, str, str]]:
-    """(run, why, log) of every run that has no result (a diverged run has one)."""
+def failed_runs(runs: List[Run], logs: Optional[Dict[str, str]] = None,
+                errors: Optional[Dict[str, str]] = None) -> List[Tuple[Run, str, str]]:
+    """(run, why, log) of every run that has no result (a diverged run has one); ``errors``
+    ({run folder: error}, the launcher's): an error its status.json could not record (a full disk)."""
     out = []
     for run in runs:
         reason = launchers.failure_of(run)
         if reason is not None:
-            out.append((run, reason, (logs or {}).get(run.run_dir) or run.path("train.log")))
+            unrecorded = (errors or {}).get(run.run_dir)
+            if unrecorded and unrecorded not in reason:
+                reason += f"; {unrecorded}"
+            out.append((run, with_errno_names(reason), (logs or {}).get(run.run_dir) or run.path("train.log")))
     return out
+
+
+def with_errno_names(text: str) -> str:
+    """``text`` with the name of each ``[Errno N]`` it quotes added at its end, so a full disk
+    reads ``... No space left on device (ENOSPC: the disk is full)``."""
+    names = [errno.errorcode.get(int(number)) for number in re.findall(r"\[Errno (\d+)\]", text)]
+    names = [name for name in dict.fromkeys(names) if name and name not in text]
+    notes = [f"{name}: the disk is full" if name == "ENOSPC" else name for name in names]
+    return f"{text} ({', '.join(notes)})" if notes else text
 
 
 def report_failures(failed: List[Tuple[Run, str, str]], echo: Callable[[str], None] = print) -> None:
@@ -326,7 +342,7 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {shape})")
     launcher.execute(runs, extra_train, echo)
     results = write_table(table, runs, results_dir, echo, metric=metric)
-    failed = failed_runs(runs, launcher.logs)
+    failed = failed_runs(runs, launcher.logs, getattr(launcher, "errors", None))
     if echo_failures:
         report_failures(failed, echo)
     return TableResults(results, runs, failed)
@@ -591,8 +607,11 @@ def main(argv=None):
                 print_status(runs)
             else:
                 write_table(table, runs, results_dir, collecting=True, metric=args.metric)
-                finished = sum(launchers.failure_of(run) is None for run in runs)
-                print(f"[reproduce] collected {finished} of {len(runs)} runs with a result")
+                failed = failed_runs(runs)
+                if len(failed) == len(runs):  # no result at all: why, run by run
+                    for run, reason, log in failed:
+                        print(f"[reproduce] no result for {run.label}: {reason}; log: {log}")
+                print(f"[reproduce] collected {len(runs) - len(failed)} of {len(runs)} runs with a result")
             return
         results = run_table(table, pairs, data_dirs, runs_dir, results_dir, args.rows, extra,
                             seeds=args.seeds, launcher=launcher, metric=args.metric)

@@ -61,6 +61,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
@@ -93,11 +94,9 @@ GENERATION_OPTIONS = ("beam", "lenpen", "max_len_a", "max_len_b")
 
 
 def write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` as JSON through atomic_files (a full disk or a kill leaves the
+    old file and no temporary one)."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def read_json(path: str) -> Optional[dict]:
