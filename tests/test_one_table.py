@@ -61,8 +61,8 @@ def collect(tmp_path, monkeypatch, capsys):
         for row in spec["rows"]:
             write_run(tmp_path / "runs" / table / "src-tgt" / SLUGS[row["name"]])
 
-    def main(table, *args, results="results"):
-        argv = [table, "--collect", "--data", f"src-tgt={data}", "--runs-dir", str(tmp_path / "runs"),
+    def main(table, *args, results="results", mode="--collect"):
+        argv = [table, mode, "--data", f"src-tgt={data}", "--runs-dir", str(tmp_path / "runs"),
                 "--results-dir", str(tmp_path / results), *args]
         try:
             reproduce.main(argv)
@@ -266,3 +266,17 @@ def test_a_full_disk_while_status_json_is_written_leaves_the_old_one_and_no_temp
         run.set_status(status="running")
     assert sorted(os.listdir(run.run_dir)) == ["scores.json", "status.json", "train.log"]
     assert open(run.path("status.json")).read() == before
+
+
+def test_status_shows_a_run_with_a_bad_record_or_log_without_stopping(collect, tmp_path):
+    """--status of runs whose status.json has ``"minutes": "x"`` and whose train.log was written
+    with --log-format none: one line each, as not started / with empty columns."""
+    folder = tmp_path / "runs" / "alpha" / "src-tgt"
+    status = json.loads((folder / "prenorm" / "status.json").read_text())
+    (folder / "prenorm" / "status.json").write_text(json.dumps({**status, "minutes": "x"}))
+    (folder / "prenorm-scalenorm" / "train.log").write_text(
+        "2026-01-01 00:00:00 | INFO | fairseq_cli.train | done training in 1.0 seconds\n")
+    code, lines = collect("alpha", mode="--status")
+    assert code == 0, code
+    assert lines[1].split()[:6] == ["alpha", "src-tgt", "|", "PreNorm", "pending", "10"]
+    assert lines[2].split()[:9] == ["alpha", "src-tgt", "|", "PreNorm", "+", "ScaleNorm", "tested", "-", "-"]

@@ -421,8 +421,11 @@ def run_state(run: Run) -> dict:
         state = "tested" if read_scores(run.path("scores.json")) is not None else "trained"
     log = run.path("train.log")
     last_update, best = None, None
-    if os.path.exists(log):
-        parsed = parse_training_log(log)
+    try:  # an unreadable log (garbage, --log-format none) leaves its columns empty, not --status
+        parsed = parse_training_log(log) if os.path.exists(log) else None
+    except (NormplugError, OSError):
+        parsed = None
+    if parsed is not None:
         last_update = parsed.last_update
         bleu_values = parsed.series("valid", "valid_bleu")[1]
         best = max(bleu_values) if bleu_values else None
