@@ -44,7 +44,8 @@ def result_status(run: Run, collecting: bool = False) -> str:
     """A run's one results.csv status: ``ok`` (trained and scored), ``diverged`` (a result),
     ``running`` (a live launcher owns it, or the table is still running: ``collecting``), or
     ``failed``: it failed, or trained without a score, or its process ended without a result, or
-    a record of it is bad (runner.record_problem: named when the table is written). ``pending``: not started, in a table collected while it runs (``--collect``)."""
+    a record of it is bad (runner.record_problem: named when the table is written).
+    ``pending``: not started, in a table collected while it runs (``--collect``)."""
     state = run.status()["status"]
     if state == "done":
         return "ok" if read_scores(run.path("scores.json")) is not None else "failed"
@@ -194,8 +195,9 @@ class TableResults(list):
 def log_problem(run: Run, log: Optional[TrainingLog]) -> Optional[str]:
     """Why the parsed train.log ``log`` of ``run`` cannot be drawn: no training record in the log
     of a run that trained (garbage, another file's content), else None."""
-    updates = run.status().get("updates") or 0
-    if log is not None and not log.records and (updates > 0 or run.status()["status"] == "done"):
+    status = run.status()
+    updates = status.get("updates") or 0
+    if log is not None and not log.records and (updates > 0 or status["status"] == "done"):
         return (f"{run.path('train.log')} holds no training record, but the run trained "
                 f"({updates} updates): not a fairseq-train log")
     return None
@@ -213,8 +215,10 @@ def readable_logs(runs: List[Run], echo: Callable[[str], None] = print) -> Tuple
             try:
                 parsed = parse_training_log(path)
                 problem = log_problem(run, parsed)
-            except (NormplugError, OSError) as error:
-                parsed, problem = None, f"{path} cannot be read: {error}"
+            except NormplugError as error:  # it names the log
+                parsed, problem = None, str(error)
+            except OSError as error:
+                parsed, problem = None, f"{path} cannot be read: {error.strerror or error}"
             if problem:
                 echo(f"[reproduce] {run.label}: {problem}; left out of the figures")
                 left_out.append(path)

@@ -120,11 +120,11 @@ def read_scores(path: str) -> Optional[dict]:
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _integer(value) -> bool:
-    return _number(value) and float(value).is_integer()
+    return _number(value) and math.isfinite(value) and float(value).is_integer()
 
 
 def _text(value) -> bool:
@@ -162,6 +162,8 @@ def record_problem(path: str, record: Optional[dict] = None) -> Optional[str]:
         return f"{path}: status {record.get('status')!r} is not one of {', '.join(RUN_STATES)}"
     if kind == "scores.json" and record.get("tokenized_bleu") is None:
         return f"{path} has no test BLEU (tokenized_bleu)"
+    if kind == "scores.json" and _number(record["tokenized_bleu"]) and not math.isfinite(record["tokenized_bleu"]):
+        return f"{path}: tokenized_bleu={record['tokenized_bleu']!r} is not a finite number"
     for name, (check, what) in RECORD_FIELDS.get(kind, {}).items():
         value = record.get(name)
         if value is not None and not check(value):
