@@ -280,3 +280,11 @@ def test_status_shows_a_run_with_a_bad_record_or_log_without_stopping(collect, t
     assert code == 0, code
     assert lines[1].split()[:6] == ["alpha", "src-tgt", "|", "PreNorm", "pending", "10"]
     assert lines[2].split()[:9] == ["alpha", "src-tgt", "|", "PreNorm", "+", "ScaleNorm", "tested", "-", "-"]
+
+
+def test_preflight_names_a_results_folder_of_another_table(collect, tmp_path):
+    code, _ = collect("alpha")
+    code, lines = collect("beta", mode="--preflight")
+    assert (f"[preflight] PROBLEM: the results folder {tmp_path / 'results'} holds the results of table alpha, "
+            f"not beta: give beta its own --results-dir, or delete {tmp_path / 'results'}") in lines
+    assert code.startswith("reproduce.sh: preflight: ")
