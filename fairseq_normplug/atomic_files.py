@@ -3,20 +3,78 @@ one, never a half-written one. Standard library only, so that every layer of the
 (checkpoints, tables, figures, conversions) can use it."""
 import contextlib
 import os
+import re
+import secrets
 import shutil
-import tempfile
-from typing import Iterator
+import socket
+import zlib
+from typing import Iterator, List
+
+
+#: ``.NAME.<host>-<pid>-<random>.tmp``: the temporary file of an atomic write of NAME by process
+#: ``pid`` on the host whose :func:`_host_tag` is ``host``
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.tmp$")
+
+
+def _host_tag() -> str:
+    """8 hex digits naming this host (a shared folder may be written from several nodes)."""
+    return f"{zlib.crc32(socket.gethostname().encode('utf-8')):08x}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str) -> List[str]:
+    """Delete the temporary files in ``directory`` that atomic writes of processes now dead on
+    this host left (a killed job: SIGKILL runs no clean-up); returns their paths. A live
+    writer's (or another host's) temporary file is never touched."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    host = _host_tag()
+    for name in names:
+        match = TEMPORARY.match(name)
+        if match and match.group("host") == host and int(match.group("pid")) != os.getpid() \
+                and not _alive(int(match.group("pid"))):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, name))
+                removed.append(os.path.join(directory, name))
+    return removed
+
+
+def _new_temporary_file(directory: str, prefix: str, suffix: str) -> str:
+    """Create a new empty file of a unique name in ``directory`` (:data:`TEMPORARY`) and return its
+    path. Its mode is what a plain ``open(path, "w")`` gives (0666 less the umask, and a default
+    ACL), not ``tempfile.mkstemp``'s 0600: results, figures and checkpoints stay readable by the
+    group."""
+    for _ in range(100):
+        candidate = os.path.join(directory, f"{prefix}{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}{suffix}")
+        try:
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name {prefix}*{suffix} in {directory}")
 
 
 @contextlib.contextmanager
 def atomic_output(path: str) -> Iterator[str]:
     """Yield a temporary path next to ``path``; when the block succeeds, rename it to
-    ``path`` (readers never see a half-written file), else delete it."""
+    ``path`` (readers never see a half-written file), else delete it (a full disk leaves
+    nothing). The temporary files killed writers left in the folder are deleted first."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                                   suffix=".tmp")
-    os.close(handle)
+    remove_stale_temporaries(directory)
+    tmp = _new_temporary_file(directory, "." + os.path.basename(path) + ".", ".tmp")
     try:
         yield tmp
         os.replace(tmp, path)

@@ -95,3 +95,44 @@ def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_prepared, t
     assert set(rows) == {BASELINE, "PreNorm", OURS} and rows[OURS]["status"] == "ok"
     assert 0 <= float(rows[OURS]["p_value"]) <= 1 and "--norm-type prmsnorm" in rows[OURS]["config"]
     assert OURS in (tmp_path / "after" / "results.md").read_text()
+
+
+# --------------------------------------------------------------------------- issue 50: no two results in one place
+
+
+def test_an_added_row_that_maps_to_a_table_rows_folder_is_refused_in_one_line(table, capsys):
+    """``--rows "PreNorm + DyT" --add-row "PreNorm DyT=--prenorm"``: both are ``prenorm-dyt``; the
+    added row would be skipped as done and given the DyT run's score. Refused before any work,
+    naming both rows and the folder."""
+    with pytest.raises(NormplugError) as error:
+        with_added_rows(table, ["PRENORM=--prenorm --scalenorm"])
+    assert str(error.value).startswith("--add-row 'PRENORM' and the row 'PreNorm' of small map to one run folder "
+                                       "('prenorm')") and "\n" not in str(error.value)
+    with pytest.raises(NormplugError, match="--add-row 'B b' and the row 'b-B' of small map to one run folder"):
+        with_added_rows(table, ["b-B=--prenorm", "B b=--prenorm --scalenorm"])
+    with pytest.raises(NormplugError, match=r"--add-row '\+\+': its name needs letters or digits"):
+        with_added_rows(table, ["++=--prenorm"])
+    with pytest.raises(SystemExit) as exit_:
+        reproduce.main(["table3", "--rows", "PreNorm + DyT", "--add-row", "PreNorm DyT=--prenorm", "--print-commands"])
+    assert str(exit_.value) == ("reproduce.sh: error: --add-row 'PreNorm DyT' and the row 'PreNorm + DyT' of table3 "
+                                "map to one run folder ('prenorm-dyt'): one run's result would be reported for both; "
+                                "rename the added row")
+    assert capsys.readouterr().out == ""
+
+
+def test_a_seed_folder_or_a_repeated_row_that_clashes_is_refused_before_any_work(table, tmp_path):
+    """Row ``PreNorm`` seed 2 and a row ``PreNorm seed2`` are both ``prenorm-seed2``; ``--rows A A``
+    would run one folder twice: both refused in one line, naming the runs and the folder."""
+    clashing = with_added_rows(table, ["PreNorm seed2=--prenorm --scalenorm"])
+    data = {"src-tgt": str(tmp_path / "data")}
+    with pytest.raises(NormplugError) as error:
+        reproduce.plan_runs(clashing, ["src-tgt"], data, str(tmp_path / "runs"), seeds=(1, 2), check_data=False)
+    folder = os.path.join(str(tmp_path / "runs"), "small", "src-tgt", "prenorm-seed2")
+    assert str(error.value) == (f"runs 'small src-tgt | PreNorm | seed 2' and 'small src-tgt | PreNorm seed2' map to "
+                                f"one run folder ({folder}): one run's result would be reported for both; "
+                                f"rename one row")
+    assert not (tmp_path / "runs").exists()
+    assert len(reproduce.plan_runs(clashing, ["src-tgt"], data, str(tmp_path / "runs"), check_data=False)) == 3
+    with pytest.raises(NormplugError, match="^--rows names 'PreNorm' twice; name each row once$"):
+        reproduce.plan_runs(table, ["src-tgt"], data, str(tmp_path / "runs"), ["PreNorm", "PreNorm"],
+                            check_data=False)

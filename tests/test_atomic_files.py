@@ -21,3 +21,74 @@ def test_write_text_atomic_replaces_and_creates_the_directory(tmp_path):
     write_text_atomic(str(target), "a\r\nb\n")
     write_text_atomic(str(target), "c\r\n")
     assert os.listdir(target.parent) == ["results.md"] and target.read_bytes() == b"c\r\n"
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_every_atomic_write_honours_the_umask_as_open_does(tmp_path, umask, mode):
+    """Issue 50: results, figures, dictionaries and checkpoints written atomically get the mode a
+    plain open() gives under the umask (mkstemp's 0600 hid a table from the group)."""
+    from fairseq_normplug.atomic_files import copy_atomic
+
+    old = os.umask(umask)
+    try:
+        write_text_atomic(str(tmp_path / "results.csv"), "a\n")
+        copy_atomic(str(tmp_path / "results.csv"), str(tmp_path / "dict.txt"))
+        with atomic_output(str(tmp_path / "figure.png")) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(b"png")
+        with open(tmp_path / "plain.txt", "w") as f:
+            f.write("a\n")
+    finally:
+        os.umask(old)
+    modes = {name: os.stat(tmp_path / name).st_mode & 0o777 for name in sorted(os.listdir(tmp_path))}
+    assert modes == {"dict.txt": mode, "figure.png": mode, "plain.txt": mode, "results.csv": mode}
+
+
+def test_the_temporary_files_of_killed_writers_are_removed_by_the_next_write(tmp_path):
+    """Issue 50: a writer SIGKILLed inside its atomic write (a figure, results.md) leaves its
+    hidden temporary file; the next atomic write in that folder deletes it, never the temporary
+    file of a live writer (or of this process, or of another host)."""
+    import subprocess
+    import sys
+
+    from fairseq_normplug.atomic_files import TEMPORARY, _host_tag
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        names = {"dead": f".fig1_dev_bleu.png.{_host_tag()}-{dead.pid}-0123abcd.tmp",
+                 "live": f".results.md.{_host_tag()}-{live.pid}-0123abcd.tmp",
+                 "mine": f".results.csv.{_host_tag()}-{os.getpid()}-0123abcd.tmp",
+                 "elsewhere": f".fig2_grad_norm.png.{'0' * 8 if _host_tag() != '0' * 8 else '1' * 8}-{dead.pid}-0123abcd.tmp"}
+        assert all(TEMPORARY.match(name) for name in names.values())
+        for name in names.values():
+            (tmp_path / name).write_bytes(b"half")
+        write_text_atomic(str(tmp_path / "results.md"), "new\n")
+        assert sorted(os.listdir(tmp_path)) == sorted([names["live"], names["mine"], names["elsewhere"], "results.md"])
+    finally:
+        live.kill()
+        live.wait()
+
+
+@pytest.mark.slow
+def test_a_writer_killed_inside_its_atomic_write_leaves_nothing_after_the_next_write(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import os, signal, sys\n"
+              "sys.path.insert(0, sys.argv[2])\n"
+              "import importlib.util\n"
+              "spec = importlib.util.spec_from_file_location('atomic_files', sys.argv[3])\n"
+              "atomic_files = importlib.util.module_from_spec(spec); spec.loader.exec_module(atomic_files)\n"
+              "with atomic_files.atomic_output(sys.argv[1]) as tmp:\n"
+              "    open(tmp, 'wb').write(b'half a png')\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    import fairseq_normplug.atomic_files as module
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "fig1_dev_bleu.png"), str(tmp_path),
+                           module.__file__])
+    assert proc.returncode == -signal.SIGKILL
+    assert [name for name in os.listdir(tmp_path) if name.startswith(".fig1_dev_bleu.png.")]
+    write_text_atomic(str(tmp_path / "results.md"), "table\n")
+    assert os.listdir(tmp_path) == ["results.md"]

@@ -294,6 +294,8 @@ def test_killed_table_reruns_to_the_uninterrupted_results(setup, jobs):
     log = open(os.path.join(root, "killed", *RUN, "train.log")).read()
     assert log.count("Loaded checkpoint") == 1  # resumed after the first kill only
     assert not _run_files(root, "generate-test.txt.tmp-*")
+    # issue 50: the killed results write's hidden temporary file is gone too
+    assert not glob.glob(os.path.join(root, "killed", "results", ".*.tmp")) and not _run_files(root, ".*.tmp")
     status = json.loads(open(os.path.join(root, "killed", *RUN, "status.json")).read())
     assert status["minutes"] > 0  # the killed attempts' training time, kept at each validation
 

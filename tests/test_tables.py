@@ -144,7 +144,8 @@ def test_table6_cells_are_compound_split_bleu(tmp_path):
 
 def test_write_results_csv_and_markdown(tmp_path):
     csv_path, md_path = tables.write_results(ROWS, str(tmp_path / "results"), title="Table 3 and 6")
-    assert sorted(os.listdir(tmp_path / "results")) == ["results.csv", "results.md"]  # no temp files
+    assert sorted(os.listdir(tmp_path / "results")) == ["results.csv", "results.md", "table.txt"]  # no temp files
+    assert (tmp_path / "results" / "table.txt").read_text() == "table3, table6\n"  # the folder's owner
 
     rows = tables.read_results_csv(csv_path)
     assert [(r["table"], r["row"], r["pair"], r["status"]) for r in rows] == \

@@ -298,6 +298,8 @@ def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resume
     status = json.loads((folder / "status.json").read_text())
     assert status["status"] == "failed" and "No space left on device" in status["error"]
     assert lines[-1].startswith("[reproduce] FAILED trust src-tgt | PreNorm: training failed (exit 1): ")
+    assert "(ENOSPC: the disk is full)" in lines[-1]  # issue 50: the summary names it
+    assert not list(folder.glob("*status.json*tmp*"))  # no 0-byte status.json temporary
     assert table_csv(root / "full")[0]["status"] == "failed"
     assert list((folder / "checkpoints").glob("*.tmp"))  # the cut save
     monkeypatch.delenv("NORMPLUG_TEST_ENOSPC_AT")
@@ -354,6 +356,27 @@ def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(t
     assert code == 0 and sum("translating the test set" in line for line in lines) == 2
     assert not any("training (" in line for line in lines)
     assert table_csv(root / "corrupt") == reference
+
+
+def test_a_bad_status_or_scores_field_is_failed_until_the_rerun_repairs_it(trust, reference, main_of):
+    """Issue 50: ``"minutes": "x"`` in a status.json, ``"sacrebleu": "x"`` in a scores.json:
+    --collect names both files, fails both runs and writes the table; the re-run trains nothing,
+    records the first run done from its checkpoints, decodes the second again, and writes the
+    uninterrupted table."""
+    root = trust[0]
+    folder = copy_reference_runs(root, "bad-records")
+    status = json.loads((folder / "prenorm" / "status.json").read_text())
+    (folder / "prenorm" / "status.json").write_text(json.dumps({**status, "minutes": "x"}))
+    scores = json.loads((folder / "prenorm-scalenorm" / "scores.json").read_text())
+    (folder / "prenorm-scalenorm" / "scores.json").write_text(json.dumps({**scores, "sacrebleu": "x"}))
+    code, lines = main_of("trust", "bad-records", "--collect")
+    assert code == 0 and lines[-1] == "[reproduce] collected 0 of 2 runs with a result"
+    assert sum(str(folder / "prenorm" / "status.json") in line for line in lines) >= 1
+    assert [row["status"] for row in table_csv(root / "bad-records")] == ["failed", "failed"]
+    code, lines = main_of("trust", "bad-records")
+    assert code == 0 and sum("translating the test set" in line for line in lines) == 1
+    assert not any("training (" in line for line in lines)
+    assert table_csv(root / "bad-records") == reference
 
 
 # --------------------------------------------------------------------------- checked before any work

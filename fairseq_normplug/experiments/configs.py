@@ -394,6 +394,7 @@ def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] =
         raise NormplugError(f"unknown --add-row-schedule {schedule!r}; choose from {', '.join(table.schedules)}")
     extensions = extension_flags(modules)
     rows, names = list(table.rows), {row.name for row in table.rows}
+    folders = {slug(row.name): row.name for row in table.rows}
     for spec in specs:
         name, equals, flags = spec.partition("=")
         name = name.strip()
@@ -403,6 +404,13 @@ def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] =
         if name in names:
             raise NormplugError(f"--add-row {name!r}: the table {table.name} already has a row of that name; "
                                 f"choose another")
+        if not slug(name):
+            raise NormplugError(f"--add-row {name!r}: its name needs letters or digits (it names the run folder)")
+        if slug(name) in folders:
+            raise NormplugError(f"--add-row {name!r} and the row {folders[slug(name)]!r} of {table.name} map to one "
+                                f"run folder ({slug(name)!r}): one run's result would be reported for both; "
+                                f"rename the added row")
+        folders[slug(name)] = name
         try:
             model = shlex.split(flags)
         except ValueError as error:

@@ -429,6 +429,19 @@ def make_figures(logs: Logs, out_dir: str, names: Optional[Sequence[str]] = None
     return outcome
 
 
+def remove_stale_figures(out_dir: str, kept: Sequence[str] = ()) -> List[str]:
+    """Delete the figures of :data:`FIGURES` in ``out_dir`` other than the paths ``kept`` (a figure
+    an earlier table drew that this one does not); returns the deleted paths."""
+    kept = {os.path.abspath(path) for path in kept}
+    removed = []
+    for filename, _ in FIGURES.values():
+        path = os.path.join(out_dir, filename)
+        if os.path.abspath(path) not in kept and os.path.isfile(path):
+            os.remove(path)
+            removed.append(path)
+    return removed
+
+
 def load_logs(paths: Dict[str, Union[str, Sequence[str]]]) -> Logs:
     """{label: log path, or the log paths of its seeds} -> {label: parsed log(s)}."""
     return {label: parse_training_log(path) if isinstance(path, str) else [parse_training_log(p) for p in path]

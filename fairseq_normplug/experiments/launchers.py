@@ -21,6 +21,7 @@ run in a SLURM job run exactly the same code.
 import collections
 import contextlib
 import dataclasses
+import errno
 import os
 import signal
 import threading
@@ -32,7 +33,7 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.ownership import RunOwnership, live_holder, zombie
 from fairseq_normplug.experiments.preflight import check_table
-from fairseq_normplug.experiments.runner import Run, evaluate, read_scores, train
+from fairseq_normplug.experiments.runner import Run, evaluate, read_scores, record_problem, train
 
 Echo = Callable[[str], None]
 LAUNCHERS = ("local", "slurm")
@@ -77,13 +78,23 @@ def _train_and_evaluate(run: Run, extra: List[str], echo: Echo) -> dict:
         if run.status().get("run_error"):
             run.set_status(run_error=None)
     except Exception as error:  # noqa: BLE001 - one run's failure must not stop the table
-        message = str(error) if isinstance(error, NormplugError) else f"{type(error).__name__}: {error}"
+        message = error_line(error)
         echo(f"[{run.label}] error: {message}")
         try:
             run.set_status(run_error=message[:300])
-        except OSError as write_error:  # a full disk or a read-only folder: said, not raised
-            echo(f"[{run.label}] error: cannot record it in {run.path('status.json')}: {write_error}")
+        except OSError as write_error:  # a full disk or a read-only folder: said, not raised,
+            echo(f"[{run.label}] error: cannot record it in {run.path('status.json')}: {error_line(write_error)}")
+            return {**run.status(), "run_error": message[:300]}  # and kept for the summary
     return run.status()
+
+
+def error_line(error: BaseException) -> str:
+    """One line for an error of a run: a NormplugError's text, else its type and text, with the
+    errno's name for an OSError (``OSError ENOSPC: [Errno 28] No space left on device: ...``)."""
+    if isinstance(error, NormplugError):
+        return str(error)
+    name = errno.errorcode.get(error.errno, "") if isinstance(error, OSError) and error.errno else ""
+    return f"{type(error).__name__}{' ' + name if name else ''}: {error}"
 
 
 def held(result) -> Optional[str]:
@@ -150,6 +161,8 @@ class LocalLauncher:
             max(1, (cores or available_cores()) // jobs) if jobs > 1 else None)
         self.execute_one = execute or execute_run
         self.logs: Dict[str, str] = {}
+        #: {run folder: the error of its last execution}, also when its status.json could not record it
+        self.errors: Dict[str, str] = {}
 
     @property
     def num_devices(self) -> Optional[int]:
@@ -209,6 +222,10 @@ class LocalLauncher:
                         + (f" (CUDA_VISIBLE_DEVICES={slot})" if slot is not None and self.jobs > 1 else ""))
                 result = self.execute_one(run, extra_train, say)
                 holder = held(result)
+                if isinstance(result, dict) and result.get("run_error"):
+                    self.errors[run.run_dir] = result["run_error"]
+                elif holder is None:
+                    self.errors.pop(run.run_dir, None)
                 with lock:
                     if holder is not None:
                         if index not in waiting:
@@ -430,12 +447,15 @@ def failure_of(run: Run) -> Optional[str]:
     if state == "done":
         if read_scores(run.path("scores.json")) is not None:
             return None
-        error = status.get("run_error")
+        error = status.get("run_error") or record_problem(run.path("scores.json"))
         return f"trained, not evaluated{': ' + error if error else ''}"
     if state == "failed":
         error = f": {status['error']}" if status.get("error") else ""
         return f"training failed (exit {status.get('exit_code')}){error}"
     if state == "running":
         return "interrupted while training (its process ended without a result)"
+    bad_status = record_problem(run.path("status.json"))
+    if bad_status:
+        return f"its record is bad: {bad_status} (a re-run resumes it from its checkpoints)"
     error = status.get("run_error")
     return f"not trained{': ' + error if error else ''}"

@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.tables import results_owner_problem
 from fairseq_normplug.experiments.runner import Run, last_flag_value, plan_summary, subword_method, training_plan
 
 #: updates of each configuration's short training
@@ -211,6 +212,10 @@ def check_table(runs: List[Run], extra_train: Sequence[str], runs_dir: str, resu
 
     for folder, what in ((runs_dir, "runs"), (results_dir, "results")):
         found = folder_problem(folder, what)
+        if found:
+            problem(found)
+    if runs:
+        found = results_owner_problem(results_dir, runs[0].table.name)
         if found:
             problem(found)
     bad_data = set()

@@ -10,9 +10,11 @@ of running it. The table is written whatever its runs did; exits 1 when a run fa
 run is a result). See docs/experiments.md.
 """
 import argparse
+import errno
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 import time
@@ -23,7 +25,7 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, launchers, preflight, tables
 from fairseq_normplug.experiments.configs import (
-    CONFIG_DIR, PROJECT_DIR, Table, available_tables, check_pair, load_data_locations, load_table,
+    CONFIG_DIR, PAIR_PATTERN, PROJECT_DIR, Table, available_tables, check_pair, load_data_locations, load_table,
     under_recipe, with_added_rows,
 )
 from fairseq_normplug.experiments.ownership import live_holder
@@ -32,7 +34,7 @@ from fairseq_normplug.experiments.runner import (
     Run, check_data_dir, command_batching, generate_command, last_flag_value, read_scores,
     plan_summary, run_folder, test_hypotheses, test_references, train_flags, training_plan,
 )
-from fairseq_normplug.experiments.training_log import parse_training_log
+from fairseq_normplug.experiments.training_log import TrainingLog, parse_training_log
 
 SPEED_PATH = os.path.join(CONFIG_DIR, "speed.json")
 
@@ -41,7 +43,8 @@ SPEED_PATH = os.path.join(CONFIG_DIR, "speed.json")
 def result_status(run: Run, collecting: bool = False) -> str:
     """A run's one results.csv status: ``ok`` (trained and scored), ``diverged`` (a result),
     ``running`` (a live launcher owns it, or the table is still running: ``collecting``), or
-    ``failed``: it failed, or trained without a score, or its process ended without a result.
+    ``failed``: it failed, or trained without a score, or its process ended without a result, or
+    a record of it is bad (runner.record_problem: named when the table is written).
     ``pending``: not started, in a table collected while it runs (``--collect``)."""
     state = run.status()["status"]
     if state == "done":
@@ -50,7 +53,7 @@ def result_status(run: Run, collecting: bool = False) -> str:
         return "diverged"
     if live_holder(run.run_dir) is not None:
         return "running"
-    if collecting and state in ("running", "pending"):
+    if collecting and state in ("running", "pending") and not run.record_problems():
         return state
     return "failed"
 
@@ -60,6 +63,9 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     """All (pair, row, seed) runs, after checking every input (nothing is trained on bad input).
     ``check_data=False`` (``--print-commands``) accepts a data folder not prepared yet: its
     commands are printed as the prepare scripts' default (subword-nmt) would make them."""
+    repeated = sorted({name for name in rows if list(rows).count(name) > 1})
+    if repeated:
+        raise NormplugError(f"--rows names {repeated[0]!r} twice; name each row once")
     selected = [table.row(name) for name in rows] if rows else table.rows
     runs = []
     for pair in pairs:
@@ -76,7 +82,20 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
                 runs.append(Run(table=table, row=row, pair=pair, data_dir=data_dirs[pair], seed=seed,
                                 run_dir=run_folder(runs_dir, table.name, pair, row.name, seed),
                                 assumed_subword=assumed))
+    check_run_folders(runs)
     return runs
+
+
+def check_run_folders(runs: List[Run]) -> None:
+    """One run folder per run: two runs mapped to one folder (a row ``PreNorm`` with seed 2 and a
+    row ``PreNorm seed2``, both ``prenorm-seed2``) would report one result under both names, so
+    they are refused in one line, naming both and the folder, before anything trains."""
+    owners: Dict[str, Run] = {}
+    for run in runs:
+        other = owners.setdefault(run.run_dir, run)
+        if other is not run:
+            raise NormplugError(f"runs {other.label!r} and {run.label!r} map to one run folder ({run.run_dir}): "
+                                f"one run's result would be reported for both; rename one row")
 
 
 def _scored(run: Run) -> bool:
@@ -157,8 +176,8 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
     adjusted = dict(zip(compared, bleu.holm_adjust([_field(seed_aware[cell], "p_value") for cell in compared])))
     out = []
     for run in runs:
-        status = run.status()
-        scores = read_scores(run.path("scores.json")) or {}
+        status, state = run.status(), result_status(run, collecting)
+        scores = (read_scores(run.path("scores.json")) or {}) if state == "ok" else {}  # a failed run's: not shown
         out.append({
             "table": table.name, "pair": run.pair, "row": run.row.name, "seed": run.seed,
             "config": tables.config_string(run.row.model + run.row.train, run.row.schedule),
@@ -173,7 +192,7 @@ def result_rows(table: Table, runs: List[Run], paper: Optional[dict] = None, col
             "diff_ci_low": _field(seed_aware[(run.pair, run.row.name)], "diff_ci_low") if scores else None,
             "diff_ci_high": _field(seed_aware[(run.pair, run.row.name)], "diff_ci_high") if scores else None,
             "length_ratio": bleu.length_ratio(scores),
-            "status": result_status(run, collecting),
+            "status": state,
             "updates": status.get("updates"), "minutes": status.get("minutes"),
             "stopped_by": status.get("stopped_by") or status.get("diverged"),
             "selected_update": scores.get("selected_update"), "dev_bleu": scores.get("dev_bleu"),
@@ -206,6 +225,41 @@ class TableResults(list):
         self.runs, self.failed = runs, failed
 
 
+def log_problem(run: Run, log: Optional[TrainingLog]) -> Optional[str]:
+    """Why the parsed train.log ``log`` of ``run`` cannot be drawn: no training record in the log
+    of a run that trained (garbage, another file's content), else None."""
+    status = run.status()
+    updates = status.get("updates") or 0
+    if log is not None and not log.records and (updates > 0 or status["status"] == "done"):
+        return (f"{run.path('train.log')} holds no training record, but the run trained "
+                f"({updates} updates): not a fairseq-train log")
+    return None
+
+
+def readable_logs(runs: List[Run], echo: Callable[[str], None] = print) -> Tuple[dict, List[str]]:
+    """({figure label: the parsed train.log of each of its seeds}, [the logs left out]): a log that
+    cannot be read or holds no record of a run that trained is named in one line and left out
+    (a figure it would be missing from says so, instead of advising flags the run had)."""
+    logs: Dict[str, list] = {}
+    left_out = []
+    for label, paths in figure_logs(runs).items():
+        for path in paths:
+            run = next(run for run in runs if run.path("train.log") == path)
+            try:
+                parsed = parse_training_log(path)
+                problem = log_problem(run, parsed)
+            except NormplugError as error:  # it names the log
+                parsed, problem = None, str(error)
+            except OSError as error:
+                parsed, problem = None, f"{path} cannot be read: {error.strerror or error}"
+            if problem:
+                echo(f"[reproduce] {run.label}: {problem}; left out of the figures")
+                left_out.append(path)
+            else:
+                logs.setdefault(label, []).append(parsed)
+    return logs, left_out
+
+
 def figure_logs(runs: List[Run]) -> Dict[str, List[str]]:
     """{figure label (the row's name): the train.log of each of its seeds}, for the runs of one
     pair; figures draw several seeds as a band."""
@@ -230,6 +284,11 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
     """results.csv, results.md and the figures from whatever the runs' folders hold now; the
     cells and p-values in ``metric`` (--metric) instead of the table's configs/paper_results.json one."""
     paper = tables.with_cell_metric(tables.load_paper_results(), table.name, metric)
+    repairs = {"status.json": "resumes it from its checkpoints", "scores.json": "decodes its test set again"}
+    for run in runs:  # a bad record is never tabulated: named in one line, and the run is failed
+        for problem in run.record_problems():
+            repair = next(text for name, text in repairs.items() if problem.startswith(run.path(name)))
+            echo(f"[reproduce] {run.label}: {problem}; the run is failed, a re-run {repair}")
     results = result_rows(table, runs, paper, collecting=collecting)
     try:
         os.makedirs(results_dir, exist_ok=True)
@@ -237,26 +296,50 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
     except OSError as error:  # a read-only or full results folder: one line, the runs are kept
         raise NormplugError(f"cannot write the results table to {results_dir}: {error.strerror or error}; "
                             f"the runs are kept: fix it and run --collect") from None
-    for folder, folder_runs in figure_folders(runs, results_dir).items():
-        logs = figure_logs(folder_runs)
+    drawn = []
+    folders = figure_folders(runs, results_dir)
+    for folder, folder_runs in folders.items():
+        logs, left_out = readable_logs(folder_runs, echo)
         if not logs:
             continue
         os.makedirs(folder, exist_ok=True)
-        for name, outcome in figures.make_figures(figures.load_logs(logs), folder).items():
-            echo(f"[reproduce] figure {name}: {outcome}")
+        for name, outcome in figures.make_figures(logs, folder).items():
+            unread = f"; left out as unreadable: {', '.join(left_out)}" if left_out else ""
+            echo(f"[reproduce] figure {name}: {outcome}{unread if outcome.startswith('skipped') else ''}")
+            drawn.append(outcome)
+    # a figure of an earlier write (other pairs, rows or logs) never sits beside this table
+    pair_folders = [os.path.join(results_dir, name) for name in sorted(os.listdir(results_dir))
+                    if PAIR_PATTERN.fullmatch(name) and os.path.isdir(os.path.join(results_dir, name))]
+    for folder in dict.fromkeys([results_dir, *folders, *pair_folders]):
+        for path in figures.remove_stale_figures(folder, drawn):
+            echo(f"[reproduce] removed the stale figure {path}")
     echo(f"[reproduce] results: {os.path.join(results_dir, 'results.md')}, "
          f"{os.path.join(results_dir, 'results.csv')}")
     return results
 
 
-def failed_runs(runs: List[Run], logs: Optional[Dict[str, str]] = None) -> List[Tuple[Run, str, str]]:
-    """(run, why, log) of every run that has no result (a diverged run has one)."""
+def failed_runs(runs: List[Run], logs: Optional[Dict[str, str]] = None,
+                errors: Optional[Dict[str, str]] = None) -> List[Tuple[Run, str, str]]:
+    """(run, why, log) of every run that has no result (a diverged run has one); ``errors``
+    ({run folder: error}, the launcher's): an error its status.json could not record (a full disk)."""
     out = []
     for run in runs:
         reason = launchers.failure_of(run)
         if reason is not None:
-            out.append((run, reason, (logs or {}).get(run.run_dir) or run.path("train.log")))
+            unrecorded = (errors or {}).get(run.run_dir)
+            if unrecorded and unrecorded not in reason:
+                reason += f"; {unrecorded}"
+            out.append((run, with_errno_names(reason), (logs or {}).get(run.run_dir) or run.path("train.log")))
     return out
+
+
+def with_errno_names(text: str) -> str:
+    """``text`` with the name of each ``[Errno N]`` it quotes added at its end, so a full disk
+    reads ``... No space left on device (ENOSPC: the disk is full)``."""
+    names = [errno.errorcode.get(int(number)) for number in re.findall(r"\[Errno (\d+)\]", text)]
+    names = [name for name in dict.fromkeys(names) if name and name not in text]
+    notes = [f"{name}: the disk is full" if name == "ENOSPC" else name for name in names]
+    return f"{text} ({', '.join(notes)})" if notes else text
 
 
 def report_failures(failed: List[Tuple[Run, str, str]], echo: Callable[[str], None] = print) -> None:
@@ -288,12 +371,15 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
         problem = preflight.folder_problem(folder, what)
         if problem:
             raise NormplugError(f"{problem}; nothing was run")
+    problem = tables.results_owner_problem(results_dir, table.name)
+    if problem:
+        raise NormplugError(f"{problem}; nothing was run")
     per_pair = len(runs) // len(pairs)
     shape = f"{per_pair} rows" if len(seeds) == 1 else f"{per_pair // len(seeds)} rows x {len(seeds)} seeds"
     echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {shape})")
     launcher.execute(runs, extra_train, echo)
     results = write_table(table, runs, results_dir, echo, metric=metric)
-    failed = failed_runs(runs, launcher.logs)
+    failed = failed_runs(runs, launcher.logs, getattr(launcher, "errors", None))
     if echo_failures:
         report_failures(failed, echo)
     return TableResults(results, runs, failed)
@@ -372,8 +458,11 @@ def run_state(run: Run) -> dict:
         state = "tested" if read_scores(run.path("scores.json")) is not None else "trained"
     log = run.path("train.log")
     last_update, best = None, None
-    if os.path.exists(log):
-        parsed = parse_training_log(log)
+    try:  # an unreadable log (garbage, --log-format none) leaves its columns empty, not --status
+        parsed = parse_training_log(log) if os.path.exists(log) else None
+    except (NormplugError, OSError):
+        parsed = None
+    if parsed is not None:
         last_update = parsed.last_update
         bleu_values = parsed.series("valid", "valid_bleu")[1]
         best = max(bleu_values) if bleu_values else None
@@ -558,8 +647,11 @@ def main(argv=None):
                 print_status(runs)
             else:
                 write_table(table, runs, results_dir, collecting=True, metric=args.metric)
-                finished = sum(launchers.failure_of(run) is None for run in runs)
-                print(f"[reproduce] collected {finished} of {len(runs)} runs with a result")
+                failed = failed_runs(runs)
+                if len(failed) == len(runs):  # no result at all: why, run by run
+                    for run, reason, log in failed:
+                        print(f"[reproduce] no result for {run.label}: {reason}; log: {log}")
+                print(f"[reproduce] collected {len(runs) - len(failed)} of {len(runs)} runs with a result")
             return
         results = run_table(table, pairs, data_dirs, runs_dir, results_dir, args.rows, extra,
                             seeds=args.seeds, launcher=launcher, metric=args.metric)

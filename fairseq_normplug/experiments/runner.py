@@ -61,6 +61,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
@@ -93,11 +94,9 @@ GENERATION_OPTIONS = ("beam", "lenpen", "max_len_a", "max_len_b")
 
 
 def write_json_atomic(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` as JSON through atomic_files (a full disk or a kill leaves the
+    old file and no temporary one)."""
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 def read_json(path: str) -> Optional[dict]:
@@ -113,12 +112,63 @@ def read_json(path: str) -> Optional[dict]:
 
 
 def read_scores(path: str) -> Optional[dict]:
-    """A scores.json with a finite test BLEU, else None (missing, corrupt, ``{}``, or cut
-    short): a run without one is not scored and is decoded again."""
+    """A scores.json with a finite test BLEU and every field the table reads of its type
+    (:func:`record_problem`), else None (missing, corrupt, ``{}``, cut short, ``"sacrebleu":
+    "x"``): a run without one is not scored and is decoded again."""
     scores = read_json(path)
-    value = (scores or {}).get("tokenized_bleu")
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return scores if ok else None
+    return scores if scores is not None and record_problem(path, scores) is None else None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value) -> bool:
+    return _number(value) and math.isfinite(value) and float(value).is_integer()
+
+
+def _text(value) -> bool:
+    return isinstance(value, str)
+
+
+#: the fields of a run's records that results.csv, the figures and the runner read, and their
+#: types (None, JSON's null, is allowed for each); other fields are not read
+RECORD_FIELDS = {
+    "status.json": {"minutes": (_number, "a number"), "updates": (_integer, "an integer"),
+                    "exit_code": (_integer, "an integer"), "stopped_by": (_text, "text"),
+                    "diverged": (_text, "text"), "error": (_text, "text"), "run_error": (_text, "text"),
+                    "command": (lambda v: isinstance(v, list) and all(map(_text, v)), "a list of strings")},
+    "scores.json": {**{name: (_number, "a number") for name in (
+                        "tokenized_bleu", "sacrebleu", "chrf", "chrf++", "compound_split_bleu", "multi_bleu_detok",
+                        "dev_bleu", "length_ratio", "sys_len", "ref_len")},
+                    "selected_update": (_integer, "an integer"),
+                    "sacrebleu_signature": (_text, "text"), "chrf_signature": (_text, "text")},
+}
+
+
+def record_problem(path: str, record: Optional[dict] = None) -> Optional[str]:
+    """What is wrong with the run record ``path`` (a status.json or scores.json), in one line
+    naming the file, or None when it is missing or good; ``record``: its content, already read.
+    A bad record is never tabulated: the run reads as not started (status.json: a re-run resumes
+    it from its checkpoints) or not scored (scores.json: decoded again)."""
+    if record is None:
+        if not os.path.exists(path):
+            return None
+        record = read_json(path)
+        if record is None:
+            return f"{path} is not a JSON object (cut short or corrupt)"
+    kind = os.path.basename(path)
+    if kind == "status.json" and record.get("status") not in RUN_STATES:
+        return f"{path}: status {record.get('status')!r} is not one of {', '.join(RUN_STATES)}"
+    if kind == "scores.json" and record.get("tokenized_bleu") is None:
+        return f"{path} has no test BLEU (tokenized_bleu)"
+    if kind == "scores.json" and _number(record["tokenized_bleu"]) and not math.isfinite(record["tokenized_bleu"]):
+        return f"{path}: tokenized_bleu={record['tokenized_bleu']!r} is not a finite number"
+    for name, (check, what) in RECORD_FIELDS.get(kind, {}).items():
+        value = record.get(name)
+        if value is not None and not check(value):
+            return f"{path}: {name}={value!r} is not {what}"
+    return None
 
 
 def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
@@ -319,10 +369,16 @@ class Run:
         return os.path.join(self.run_dir, *parts)
 
     def status(self) -> dict:
-        """status.json; ``pending`` when it is missing or corrupt (the run is then resumed from
-        its checkpoints, which repairs it)."""
+        """status.json; ``pending`` when it is missing, corrupt or has a field of the wrong type
+        (:func:`record_problem`; the run is then resumed from its checkpoints, which repairs it)."""
         status = read_json(self.path("status.json"))
-        return status if status and status.get("status") in RUN_STATES else {"status": "pending"}
+        good = status is not None and record_problem(self.path("status.json"), status) is None
+        return status if good else {"status": "pending"}
+
+    def record_problems(self) -> List[str]:
+        """One line per bad record of the run (status.json, scores.json), naming its path."""
+        return [problem for problem in (record_problem(self.path(name)) for name in ("status.json", "scores.json"))
+                if problem]
 
     def set_status(self, **fields) -> dict:
         status = {**self.status(), **fields}

@@ -595,14 +595,53 @@ def render_markdown(rows: Sequence[dict], paper: dict, title: str = "Results") -
     return "\n".join(lines + _runs_section(list(rows), paper))
 
 
+#: the file beside results.csv naming the table whose results the folder holds
+OWNER_FILE = "table.txt"
+
+
+def results_owner(out_dir: str) -> Optional[str]:
+    """The table whose results ``out_dir`` holds: its :data:`OWNER_FILE`, or, for a folder written
+    before that file existed, the tables its results.csv names; None when it holds no results."""
+    try:
+        with open(os.path.join(out_dir, OWNER_FILE), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError):
+        return None
+    try:
+        with open(os.path.join(out_dir, "results.csv"), encoding="utf-8", newline="") as f:
+            names = [row.get("table") for row in csv.DictReader(f)]
+    except (OSError, ValueError, csv.Error):
+        return None
+    return ", ".join(dict.fromkeys(name for name in names if name)) or None
+
+
+def results_owner_problem(out_dir: str, table: str) -> Optional[str]:
+    """Why ``table``'s results cannot go into ``out_dir`` (another table's results are there: one
+    would replace the other's results.md and results.csv and sit beside its figures), else None."""
+    owner = results_owner(out_dir)
+    if owner is None or owner == table:
+        return None
+    return (f"the results folder {out_dir} holds the results of table {owner}, not {table}: "
+            f"give {table} its own --results-dir, or delete {out_dir}")
+
+
 def write_results(rows: Sequence[dict], out_dir: str, paper: Optional[dict] = None,
                   title: str = "Results") -> Tuple[str, str]:
     """Write ``out_dir/results.csv`` and ``out_dir/results.md`` (headed ``title``)
-    atomically; return their paths. ``paper`` defaults to configs/paper_results.json."""
+    atomically; return their paths. ``paper`` defaults to configs/paper_results.json. A folder
+    belongs to one table (:data:`OWNER_FILE`): another table's results there are refused."""
     paper = load_paper_results() if paper is None else checked_paper_results(paper)
     normalized = [normalize_row(row, paper) for row in rows]
+    owner = ", ".join(dict.fromkeys(row["table"] for row in normalized))
+    problem = results_owner_problem(out_dir, owner)
+    if problem:
+        raise NormplugError(problem)
     csv_path, md_path = os.path.join(out_dir, "results.csv"), os.path.join(out_dir, "results.md")
     markdown = render_markdown(normalized, paper, title)
+    if owner:
+        write_text_atomic(os.path.join(out_dir, OWNER_FILE), owner + "\n")
     write_text_atomic(csv_path, render_csv(normalized))
     write_text_atomic(md_path, markdown)
     return csv_path, md_path
