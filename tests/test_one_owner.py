@@ -98,7 +98,7 @@ def test_the_owner_records_its_trainer_and_decoder_through_its_descriptor(tmp_pa
 # --------------------------------------------------------------------------- signal forwarding
 
 
-@pytest.mark.parametrize("signum", runner.STOP_SIGNALS)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_ends_the_runs_process_and_then_stops_the_launcher(tmp_path, signum):
     folder = str(tmp_path / "run")
     os.makedirs(folder)
@@ -220,10 +220,13 @@ def kill_if_alive(pid):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pause_at,target,signum", [
-    ("update:7", "launcher", signal.SIGTERM),  # during training (the save of update 5 is there)
-    ("update:7", "group", signal.SIGTERM),     # the whole job (a scheduler's stop)
-    ("generate:1", "launcher", signal.SIGTERM),  # during test decoding
-    ("update:7", "launcher", signal.SIGHUP),   # the terminal closed
+    # during training (the save of update 5 is there)
+    pytest.param("update:7", "launcher", signal.SIGTERM, id="TERM-launcher-training"),
+    # the whole job (a scheduler's stop)
+    pytest.param("update:7", "group", signal.SIGTERM, id="TERM-group-training"),
+    pytest.param("generate:1", "launcher", signal.SIGTERM, id="TERM-launcher-decoding"),
+    # the terminal closed
+    pytest.param("update:7", "launcher", signal.SIGHUP, id="HUP-launcher-training"),
 ])
 def test_a_stopped_launcher_ends_its_process_and_the_rerun_equals_the_uninterrupted_table(
         trust, reference, pause_at, target, signum):
