@@ -61,7 +61,7 @@ def test_a_run_whose_launcher_is_gone_but_whose_trainer_runs_is_not_taken_over(t
         trainer.kill()
         trainer.wait()
     owner = ownership.RunOwnership(folder)  # both gone: taken over at once
-    assert owner.acquire() is None and owner.took_over[1] == "its process and its trainer are gone"
+    assert owner.acquire() is None and owner.took_over[1] == "its process is gone, and so is its trainer"
     owner.release()
 
 
@@ -69,7 +69,7 @@ def test_a_recorded_pid_that_another_process_reuses_does_not_hold_the_run(tmp_pa
     folder = str(tmp_path / "run")
     write_lock_with(folder, finished_pid(), {"trainer": (os.getpid(), ownership.start_ticks(os.getpid()) - 1)})
     owner = ownership.RunOwnership(folder)
-    assert owner.acquire() is None and owner.took_over[1] == "its process and its trainer are gone"
+    assert owner.acquire() is None and owner.took_over[1] == "its process is gone, and so is its trainer"
     owner.release()
 
 
@@ -272,5 +272,5 @@ def test_a_killed_launchers_trainer_keeps_the_run_until_it_ends(trust, reference
         kill_if_alive(pid)  # the trainer ends
     assert finish(rerun) == 0
     text = log.read_text()
-    assert "its process and its trainer are gone" in text and "training (resuming)" in text
+    assert "its process is gone, and so is its trainer" in text and "training (resuming)" in text
     assert table_csv(root / out, f"rerun-{out}-results") == reference[:1]

@@ -134,7 +134,7 @@ class Holder:
                 return None
             if not pid_alive(self.pid):
                 roles = " and ".join(f"its {role}" for role, _, _ in self.processes)
-                return f"its process and {roles} are gone" if roles else "its process is gone"
+                return "its process is gone" + (f", and so is {roles}" if roles else "")
         age = time.time() - self.heartbeat
         if age > STALE_AFTER_S:
             return f"no heartbeat for {age:.0f} s"
