@@ -206,7 +206,7 @@ def run_process(run: "Run", role: str, command: List[str], **popen_options) -> I
     try:
         proc = subprocess.Popen(command, **popen_options)
         with _PROCESSES.lock:
-            _PROCESSES.running[proc.pid] = proc
+            _PROCESSES.running[id(proc)] = proc
     finally:
         if main:
             _PROCESSES.starting = False
@@ -222,7 +222,7 @@ def run_process(run: "Run", role: str, command: List[str], **popen_options) -> I
             raise
         finally:
             with _PROCESSES.lock:
-                _PROCESSES.running.pop(proc.pid, None)
+                _PROCESSES.running.pop(id(proc), None)
         if _PROCESSES.stop_signal is not None:  # ended by the forwarded signal: not a result
             raise LauncherStopped(_PROCESSES.stop_signal)
     finally:
