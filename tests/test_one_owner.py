@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -20,6 +21,8 @@ from conftest import FAST_START, REPO
 from test_kill_rerun import KILL_HOOK
 from test_trust import finish, reference, run_dir, start_launcher, table_csv, trust, wait_for, write_lock  # noqa: F401 (fixtures)
 from fairseq_normplug.experiments import ownership, runner
+from fairseq_normplug.experiments.configs import load_table
+from fairseq_normplug.experiments.launchers import LocalLauncher
 
 HERE = socket.gethostname()
 
@@ -131,6 +134,42 @@ def test_a_process_that_ends_normally_is_forgotten_and_no_stop_is_raised(tmp_pat
             assert proc.communicate()[0] == "1\n"
     assert ownership.read_holder(os.path.join(str(tmp_path), ownership.LOCK_NAME)).processes == ()
     owner.release()
+
+
+def test_a_stopped_launcher_with_parallel_runs_ends_them_all_and_starts_no_other(tmp_path):
+    """--jobs 2: SIGTERM while two runs train (their "trainers" are sleeping processes): both are
+    ended, each worker's run is released, the third run never starts, and the launcher stops."""
+    table = load_table("demo")
+    runs = [runner.Run(table=table, row=table.rows[0], pair="src-tgt", data_dir=str(tmp_path),
+                       run_dir=str(tmp_path / f"run{i}")) for i in range(3)]
+    started, released = [], []
+
+    def fake_execute(run, extra, echo):
+        os.makedirs(run.run_dir, exist_ok=True)
+        owner = ownership.RunOwnership(run.run_dir)
+        assert owner.acquire() is None
+        try:
+            with runner.run_process(run, "trainer", [sys.executable, "-c", "import time; time.sleep(60)"]) as proc:
+                started.append(proc)
+                proc.wait()
+        finally:
+            released.append((run.run_dir, proc.returncode))
+            owner.release()
+        return {"status": "done"}
+
+    def stop_once_both_train():
+        wait_for(lambda: len(started) == 2, timeout=30)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    stopper = threading.Thread(target=stop_once_both_train)
+    stopper.start()
+    with pytest.raises(runner.LauncherStopped):
+        LocalLauncher(jobs=2, visible_devices=[], execute=fake_execute).execute(runs, [], lambda message: None)
+    stopper.join()
+    assert [proc.returncode for proc in started] == [-signal.SIGTERM] * 2
+    # each run released only once its trainer had ended
+    assert sorted(released) == [(runs[0].run_dir, -signal.SIGTERM), (runs[1].run_dir, -signal.SIGTERM)]
+    assert not os.path.exists(runs[2].run_dir)
 
 
 # --------------------------------------------------------------------------- fault tests

@@ -223,24 +223,29 @@ class LocalLauncher:
                     else:
                         waiting.discard(index)
 
-        def stoppable_worker(slot: Optional[str]) -> None:
-            with contextlib.suppress(LauncherStopped):  # the main thread raises it
-                worker(slot)
+        def stoppable_worker(slot: Optional[str], done: threading.Event) -> None:
+            try:
+                with contextlib.suppress(LauncherStopped):  # the main thread raises it
+                    worker(slot)
+            finally:
+                done.set()
 
         with stop_signals_forwarded():
             if self.jobs == 1:
                 worker(self.slots[0])
                 return
-            workers = [threading.Thread(target=stoppable_worker, args=(slot,), daemon=True) for slot in self.slots]
-            for thread in workers:
-                thread.start()
+            # the main thread waits on events, not Thread.join: a join interrupted by the stop
+            # signal's exception takes a running thread for stopped (CPython 3.11)
+            finished = [threading.Event() for _ in self.slots]
+            for slot, done in zip(self.slots, finished):
+                threading.Thread(target=stoppable_worker, args=(slot, done), daemon=True).start()
             try:
-                while any(thread.is_alive() for thread in workers):
-                    for thread in workers:
-                        thread.join(0.2)
+                while not all(done.is_set() for done in finished):
+                    for done in finished:
+                        done.wait(0.2)
             except LauncherStopped:  # the workers' runs end with their processes; then each is released
-                for thread in workers:
-                    thread.join()
+                for done in finished:
+                    done.wait()
                 raise
 
 
