@@ -101,6 +101,9 @@ def test_the_owner_records_its_trainer_and_decoder_through_its_descriptor(tmp_pa
 # --------------------------------------------------------------------------- signal forwarding
 
 
+SLEEPER = "import time; print('sleeping', flush=True); time.sleep(60)"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_ends_the_runs_process_and_then_stops_the_launcher(tmp_path, signum):
     folder = str(tmp_path / "run")
@@ -112,7 +115,9 @@ def test_a_stop_signal_ends_the_runs_process_and_then_stops_the_launcher(tmp_pat
     recorded = []
     with pytest.raises(runner.LauncherStopped, match=signal.Signals(signum).name):
         with runner.stop_signals_forwarded():
-            with runner.run_process(run, "trainer", [sys.executable, "-c", "import time; time.sleep(60)"]) as proc:
+            with runner.run_process(run, "trainer", [sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE,
+                                    text=True) as proc:
+                assert proc.stdout.readline() == "sleeping\n"  # started (a signal at start-up may end it otherwise)
                 recorded.append(ownership.read_holder(path).processes)
                 os.kill(os.getpid(), signum)
                 proc.wait()  # the signal arrives before this returns
