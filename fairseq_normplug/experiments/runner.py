@@ -125,7 +125,7 @@ class _Processes:
     """The fairseq processes this launcher runs now, and the stop signal it got, if any."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entered by the signal handler when it interrupts the main thread in it
         self.running: Dict[int, subprocess.Popen] = {}
         self.stop_signal: Optional[int] = None
         self.starting = False  # the main thread is between Popen and registering the process
