@@ -20,7 +20,7 @@ import pytest
 from conftest import FAST_START, REPO
 from test_kill_rerun import KILL_HOOK
 from test_trust import finish, reference, run_dir, start_launcher, table_csv, trust, wait_for, write_lock  # noqa: F401 (fixtures)
-from fairseq_normplug.experiments import ownership, runner
+from fairseq_normplug.experiments import ownership, runner, single_run
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.launchers import LocalLauncher
 
@@ -230,15 +230,21 @@ if pause_point()[0] in PAUSES:
 '''
 
 
-def start_paused_launcher(trust, out, name, pause_at):
-    """test_trust's launcher of the PreNorm row on ``out``/runs, its fairseq process held at
-    ``pause_at`` (PAUSE_HOOK); the file its held process writes its pid to."""
-    root, configs, data = trust
+def pause_hook(root):
+    """The folder of PAUSE_HOOK's sitecustomize (the suite's start-up shortcut runs after it)."""
     hook = root / "pause-hook"
     if not hook.exists():
         hook.mkdir()
         fast_start = os.path.join(FAST_START, "sitecustomize.py")
         (hook / "sitecustomize.py").write_text(f"{PAUSE_HOOK}\nimport runpy\nrunpy.run_path({fast_start!r})\n")
+    return hook
+
+
+def start_paused_launcher(trust, out, name, pause_at):
+    """test_trust's launcher of the PreNorm row on ``out``/runs, its fairseq process held at
+    ``pause_at`` (PAUSE_HOOK); the file its held process writes its pid to."""
+    root, configs, data = trust
+    hook = pause_hook(root)
     paused = root / f"{name}.paused"
     log = open(root / f"{name}.log", "w")
     proc = subprocess.Popen([sys.executable, str(root / "launcher.py"), configs, "trust", data, str(root / out / "runs"),
@@ -318,3 +324,44 @@ def test_a_killed_launchers_trainer_keeps_the_run_until_it_ends(trust, reference
     text = log.read_text()
     assert "its process is gone, and so is its trainer" in text and "training (resuming)" in text
     assert table_csv(root / out, f"rerun-{out}-results") == reference[:1]
+
+
+@pytest.mark.slow
+def test_train_sh_stopped_by_sigterm_ends_its_trainer_and_the_same_command_resumes(trust, monkeypatch, capsys):
+    """scripts/train.sh (single_run.train_main, in this process): SIGTERM while fairseq-train is
+    held after update 7 ends it, releases the run and exits with one line; the same command
+    resumes from update 5 and trains to update 10."""
+    root, configs, data = trust
+    monkeypatch.setattr(single_run, "load_table", lambda name: load_table(name, configs))
+    folder = str(root / "train-sh" / "prenorm")
+    argv = ["trust", "PreNorm", data, "--run-dir", folder]
+    paused = root / "train-sh.paused"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pause_hook(root)), REPO]))
+    monkeypatch.setenv("NORMPLUG_TEST_PAUSE_AT", "update:7")
+    monkeypatch.setenv("NORMPLUG_TEST_PAUSED", str(paused))
+
+    def stop_once_held():
+        wait_for(paused.exists, timeout=300)
+        if signal.getsignal(signal.SIGTERM) is getattr(runner, "_on_stop_signal", None):
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:  # nothing would forward it (it would end this test process): the trainer is ended instead
+            os.kill(int(paused.read_text()), signal.SIGKILL)
+
+    stopper = threading.Thread(target=stop_once_held)
+    stopper.start()
+    try:
+        with pytest.raises(SystemExit, match="^train.sh: stopped by SIGTERM: fairseq-train ended; the same command"):
+            single_run.train_main(argv)
+    finally:
+        stopper.join()
+        kill_if_alive(int(paused.read_text()))
+    assert not ownership.pid_alive(int(paused.read_text()))
+    assert not os.path.exists(os.path.join(folder, ownership.LOCK_NAME))
+    assert json.load(open(os.path.join(folder, "status.json")))["status"] == "running"
+    monkeypatch.delenv("NORMPLUG_TEST_PAUSE_AT")
+    with pytest.raises(SystemExit) as exit_info:
+        single_run.train_main(argv)
+    assert exit_info.value.code == 0
+    status = json.load(open(os.path.join(folder, "status.json")))
+    assert (status["status"], status["updates"]) == ("done", 10)
+    assert "training (resuming)" in capsys.readouterr().out
