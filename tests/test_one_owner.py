@@ -19,7 +19,8 @@ import pytest
 
 from conftest import FAST_START, REPO
 from test_kill_rerun import KILL_HOOK
-from test_trust import finish, reference, run_dir, start_launcher, table_csv, trust, wait_for, write_lock  # noqa: F401 (fixtures)
+from test_trust import reference, trust  # noqa: F401 (fixtures)
+from test_trust import finish, run_dir, start_launcher, table_csv, wait_for, write_lock
 from fairseq_normplug.experiments import ownership, runner, single_run
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.launchers import LocalLauncher
@@ -247,8 +248,8 @@ def start_paused_launcher(trust, out, name, pause_at):
     hook = pause_hook(root)
     paused = root / f"{name}.paused"
     log = open(root / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, str(root / "launcher.py"), configs, "trust", data, str(root / out / "runs"),
-                             str(root / out / f"{name}-results"), "PreNorm"],
+    proc = subprocess.Popen([sys.executable, str(root / "launcher.py"), configs, "trust", data,
+                             str(root / out / "runs"), str(root / out / f"{name}-results"), "PreNorm"],
                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_TEST_PAUSE_AT": pause_at,
                                  "NORMPLUG_TEST_PAUSED": str(paused),

@@ -152,8 +152,8 @@ def read_holder(path: str) -> Optional[Holder]:
         return None
     try:
         data = json.loads(text)
-        processes = tuple((str(role), int(entry["pid"]), None if entry.get("started") is None else int(entry["started"]))
-                          for role, entry in sorted((data.get("processes") or {}).items()))
+        processes = tuple((str(role), int(entry["pid"]), None if entry.get("started") is None
+                           else int(entry["started"])) for role, entry in sorted((data.get("processes") or {}).items()))
         return Holder(host=str(data["host"]), pid=int(data["pid"]), slurm_job=data.get("slurm_job"),
                       token=str(data["token"]), heartbeat=modified, processes=processes)
     except (ValueError, KeyError, TypeError):
