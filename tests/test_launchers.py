@@ -107,6 +107,8 @@ def test_a_runs_fairseq_processes_get_its_devices_and_threads_and_an_evaluation_
     envs = {}
 
     class FakeTrain:
+        pid = os.getpid()  # the runner records its processes' pids
+
         def __init__(self, command, env, **kwargs):
             envs["train"] = env
             os.makedirs(os.path.join(run.run_dir, "checkpoints"), exist_ok=True)
@@ -118,12 +120,19 @@ def test_a_runs_fairseq_processes_get_its_devices_and_threads_and_an_evaluation_
         def wait(self):
             return 0
 
-    def fake_generate(command, env, **kwargs):
-        envs["generate"] = env
-        return runner.subprocess.CompletedProcess(command, 1, stderr="Traceback\nRuntimeError: out of memory\n")
+    class FakeGenerate:
+        pid, returncode = os.getpid(), 1
 
-    monkeypatch.setattr(runner.subprocess, "Popen", FakeTrain)
-    monkeypatch.setattr(runner.subprocess, "run", fake_generate)
+        def __init__(self, command, env, **kwargs):
+            envs["generate"] = env
+
+        def communicate(self):
+            return None, "Traceback\nRuntimeError: out of memory\n"
+
+    def fake_process(command, **kwargs):
+        return (FakeGenerate if os.path.basename(command[0]) == "fairseq-generate" else FakeTrain)(command, **kwargs)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", fake_process)
     run = dataclasses.replace(demo_runs(fake_data, str(tmp_path))[0], devices="2,3", num_devices=2, threads=1)
     messages = []
     status = launchers.execute_run(run, [], messages.append)
@@ -279,6 +288,8 @@ def test_a_failed_run_makes_the_exit_status_non_zero_a_diverged_one_does_not(fak
     monkeypatch.setattr(reproduce, "load_table", lambda name: load_table(name, str(config_dir)))
 
     class FakeTrain:
+        pid = os.getpid()  # the runner records its processes' pids
+
         def __init__(self, command, **kwargs):
             diverging = "1e4" in command
             self.code = 1 if diverging else 2

@@ -108,6 +108,8 @@ def test_a_fresh_status_json_holds_no_absolute_path(table, fake_data, tmp_path, 
     printed = []
 
     class Done:
+        pid = os.getpid()  # the runner records its processes' pids
+
         def __init__(self, command, **kwargs):
             self.stdout = iter(printed)
 

@@ -12,7 +12,10 @@ run in a SLURM job run exactly the same code.
   the run's fairseq processes), each with its own slot of ``--devices-per-run K`` GPUs
   (``CUDA_VISIBLE_DEVICES``, :func:`device_slots`) and ``--cpus-per-run`` threads (default:
   the cores divided by N, so that N runs never oversubscribe the CPU). Their console lines,
-  one per validation, carry each run's label.
+  one per validation, carry each run's label. SIGTERM, SIGINT and SIGHUP stop it cleanly: they
+  are forwarded to the runs' fairseq-train and fairseq-generate, which it waits for before it
+  releases their runs and stops (:func:`runner.stop_signals_forwarded`); the next launcher
+  resumes them.
 * :class:`SlurmLauncher` (``--launcher slurm``): one SLURM job per run through ``submitit``
   (an optional dependency: ``pip install .[slurm]``), as a job array. A job that reaches its
   time limit or is preempted is requeued by submitit (:class:`RunJob`'s ``checkpoint``) and
@@ -33,7 +36,8 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.ownership import RunOwnership, live_holder, zombie
 from fairseq_normplug.experiments.preflight import check_table
-from fairseq_normplug.experiments.runner import Run, evaluate, read_scores, record_problem, train
+from fairseq_normplug.experiments.runner import (LauncherStopped, Run, evaluate, read_scores, record_problem,
+                                                 stop_requested, stop_signals_forwarded, train)
 
 Echo = Callable[[str], None]
 LAUNCHERS = ("local", "slurm")
@@ -209,7 +213,7 @@ class LocalLauncher:
         def worker(slot: Optional[str]) -> None:
             while True:
                 with lock:
-                    if not pending:
+                    if not pending or stop_requested() is not None:
                         return
                     index, run = pending.popleft()
                     only_held_left = index in waiting and all(i in waiting for i, _ in pending)
@@ -236,15 +240,30 @@ class LocalLauncher:
                     else:
                         waiting.discard(index)
 
-        if self.jobs == 1:
-            worker(self.slots[0])
-            return
-        workers = [threading.Thread(target=worker, args=(slot,), daemon=True) for slot in self.slots]
-        for thread in workers:
-            thread.start()
-        while any(thread.is_alive() for thread in workers):
-            for thread in workers:
-                thread.join(0.2)
+        def stoppable_worker(slot: Optional[str], done: threading.Event) -> None:
+            try:
+                with contextlib.suppress(LauncherStopped):  # the main thread raises it
+                    worker(slot)
+            finally:
+                done.set()
+
+        with stop_signals_forwarded():
+            if self.jobs == 1:
+                worker(self.slots[0])
+                return
+            # the main thread waits on events, not Thread.join: a join interrupted by the stop
+            # signal's exception takes a running thread for stopped (CPython 3.11)
+            finished = [threading.Event() for _ in self.slots]
+            for slot, done in zip(self.slots, finished):
+                threading.Thread(target=stoppable_worker, args=(slot, done), daemon=True).start()
+            try:
+                while not all(done.is_set() for done in finished):
+                    for done in finished:
+                        done.wait(0.2)
+            except LauncherStopped:  # the workers' runs end with their processes; then each is released
+                for done in finished:
+                    done.wait()
+                raise
 
 
 def descendants(pid: int) -> List[int]:

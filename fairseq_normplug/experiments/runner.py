@@ -46,6 +46,14 @@ checkpoints it left half-copied are deleted and its interrupted save is finished
 (:mod:`fairseq_normplug.checkpoint_safety`), a run whose training had ended is not trained
 an update further, and the resumed run trains on the uninterrupted run's batches
 (``--task translation_normplug``), so the table is the one an uninterrupted job writes.
+
+**One owner down to the trainer.** fairseq-train and fairseq-generate are started by
+:func:`run_process`: the run's lock records each one's pid while it runs
+(:func:`fairseq_normplug.experiments.ownership.record_process`), and while a launcher executes
+runs (:func:`stop_signals_forwarded`) SIGTERM, SIGINT and SIGHUP are forwarded to them; the
+launcher waits for them to end (SIGKILL after :data:`STOP_GRACE_S` seconds), releases its runs,
+and stops with :class:`LauncherStopped`. A stopped run is resumed by the next launcher, never
+trained beside a process of the stopped one.
 """
 import glob
 import json
@@ -53,11 +61,14 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -65,7 +76,7 @@ from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments import bleu, portable_paths
+from fairseq_normplug.experiments import bleu, ownership, portable_paths
 from fairseq_normplug.experiments.command_flags import command_flags, last_flag_value  # noqa: F401 (reproduce, preflight)
 from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table, slug  # noqa: F401 (runner.slug)
 from fairseq_normplug.optim.lr_scheduler.common import PAPER_STOP_LR
@@ -91,6 +102,132 @@ ALL_BATCHES = ["--required-batch-size-multiple", "1"]
 TASK = ["--task", "translation_normplug"]
 #: fairseq generation options a recipe's ``decoding`` spec may set (GNMT's alpha is a task option)
 GENERATION_OPTIONS = ("beam", "lenpen", "max_len_a", "max_len_b")
+
+
+#: the signals a launcher forwards to its runs' processes before it stops (:func:`stop_signals_forwarded`)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: seconds a stopped run's process has to end after the forwarded signal, before SIGKILL
+STOP_GRACE_S = float(os.environ.get("NORMPLUG_STOP_GRACE", "30"))
+
+
+class LauncherStopped(KeyboardInterrupt):
+    """The launcher got a stop signal (:data:`STOP_SIGNALS`): its runs' processes were ended;
+    a KeyboardInterrupt, so that callers that stop on Ctrl-C stop on it too."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name}"
+
+
+class _Processes:
+    """The fairseq processes this launcher runs now, and the stop signal it got, if any."""
+
+    def __init__(self):
+        self.lock = threading.RLock()  # re-entered by the signal handler when it interrupts the main thread in it
+        self.running: Dict[int, subprocess.Popen] = {}
+        self.stop_signal: Optional[int] = None
+        self.starting = False  # the main thread is between Popen and registering the process
+
+    def forward(self, signum: int) -> None:
+        with self.lock:
+            processes = list(self.running.values())
+        for proc in processes:
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+
+_PROCESSES = _Processes()
+
+
+def stop_requested() -> Optional[int]:
+    """The stop signal this launcher got, None if none."""
+    return _PROCESSES.stop_signal
+
+
+def _on_stop_signal(signum: int, _frame) -> None:
+    first = _PROCESSES.stop_signal is None
+    if first:
+        _PROCESSES.stop_signal = signum
+    _PROCESSES.forward(signum)
+    if first and not _PROCESSES.starting:  # while a process starts, run_process raises once it is registered
+        raise LauncherStopped(signum)
+
+
+@contextmanager
+def stop_signals_forwarded() -> Iterator[None]:
+    """While the block runs (in the main thread), :data:`STOP_SIGNALS` are forwarded to the
+    runs' fairseq processes and raise :class:`LauncherStopped` (once; a second signal is only
+    forwarded, so that the stop's clean-up is not cut short). Elsewhere: nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, _on_stop_signal) for signum in STOP_SIGNALS}
+    _PROCESSES.stop_signal = None
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _PROCESSES.stop_signal = None  # every process of the block has ended: the next block starts afresh
+
+
+def end_process(proc: subprocess.Popen, signum: int = signal.SIGTERM, grace_s: float = STOP_GRACE_S) -> None:
+    """End ``proc`` (a stopped or failed run's fairseq process): ``signum`` unless it was
+    forwarded already, reading what it still writes, SIGKILL after ``grace_s`` seconds."""
+    if proc.poll() is None and _PROCESSES.stop_signal is None:
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    except (OSError, ValueError):  # its pipes were closed by the interrupted reader
+        proc.wait()
+
+
+@contextmanager
+def run_process(run: "Run", role: str, command: List[str], **popen_options) -> Iterator[subprocess.Popen]:
+    """``subprocess.Popen(command, **popen_options)`` as ``run``'s ``role`` (``trainer``,
+    ``decoder``): recorded in the run's lock while it runs; when the block ends by an exception
+    (a stop signal included) it is ended and waited for (:func:`end_process`) before the
+    exception goes on; a block that ends normally must have waited for it. A launcher stopped
+    meanwhile raises :class:`LauncherStopped` (a worker thread's run ends here)."""
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        _PROCESSES.starting = True
+    try:
+        proc = subprocess.Popen(command, **popen_options)
+        with _PROCESSES.lock:
+            _PROCESSES.running[id(proc)] = proc
+    finally:
+        if main:
+            _PROCESSES.starting = False
+    try:
+        try:
+            ownership.record_process(run.run_dir, role, proc.pid)
+            if _PROCESSES.stop_signal is not None:  # the signal came while it started
+                _PROCESSES.forward(_PROCESSES.stop_signal)
+                raise LauncherStopped(_PROCESSES.stop_signal)
+            yield proc
+        except BaseException:
+            end_process(proc)
+            raise
+        finally:
+            with _PROCESSES.lock:
+                _PROCESSES.running.pop(id(proc), None)
+        if _PROCESSES.stop_signal is not None:  # ended by the forwarded signal: not a result
+            raise LauncherStopped(_PROCESSES.stop_signal)
+    finally:
+        ownership.record_process(run.run_dir, role, None)
 
 
 def write_json_atomic(path: str, data: dict) -> None:
@@ -643,25 +780,25 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
         if changes:  # the log says so too, where the resumed training starts
             log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | fairseq_normplug.experiments.runner | "
                       f"the command has changed since this run started: {'; '.join(changes)}\n")
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **run.env(), "PYTHONUNBUFFERED": "1"})
         roots = run.roots()
-        for line in proc.stdout:
-            log.write(portable_paths.portable_text(line, roots))  # a portable record too (docs/experiments.md)
-            tail = (tail + [line])[-200:]
-            summary = progress_line(run, line)
-            if summary:
-                echo(summary)
-                # the time trained so far survives a kill (a killed job's minutes count too)
-                run.set_status(minutes=round(minutes_before + (time.time() - started) / 60, 2))
-                if diverged is None:
-                    record = valid_record(line)
-                    diverged = diverged_at(record, uniform, learned)
-                    if diverged:  # a result: training it further changes nothing
-                        proc.terminate()
-                    loss = dev_loss(record)
-                    learned = learned or (uniform is not None and loss is not None and loss < uniform)
-        returncode = proc.wait()
+        with run_process(run, "trainer", command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, **run.env(), "PYTHONUNBUFFERED": "1"}) as proc:
+            for line in proc.stdout:
+                log.write(portable_paths.portable_text(line, roots))  # a portable record too (docs/experiments.md)
+                tail = (tail + [line])[-200:]
+                summary = progress_line(run, line)
+                if summary:
+                    echo(summary)
+                    # the time trained so far survives a kill (a killed job's minutes count too)
+                    run.set_status(minutes=round(minutes_before + (time.time() - started) / 60, 2))
+                    if diverged is None:
+                        record = valid_record(line)
+                        diverged = diverged_at(record, uniform, learned)
+                        if diverged:  # a result: training it further changes nothing
+                            proc.terminate()
+                        loss = dev_loss(record)
+                        learned = learned or (uniform is not None and loss is not None and loss < uniform)
+            returncode = proc.wait()
         if diverged:
             log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} | INFO | fairseq_normplug.experiments.runner | "
                       f"diverged: {diverged}; training stopped\n")
@@ -786,10 +923,12 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
     command = generate_command(run, checkpoint)
     echo(f"[{run.label}] translating the test set")
     with open(tmp, "w", encoding="utf-8") as out:
-        proc = subprocess.run(command, stdout=out, stderr=subprocess.PIPE, text=True, env={**os.environ, **run.env()})
+        with run_process(run, "decoder", command, stdout=out, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **run.env()}) as proc:
+            _, errors = proc.communicate()
     if proc.returncode != 0:
         os.remove(tmp)
-        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        last = errors.strip().splitlines()[-1] if errors.strip() else f"exit {proc.returncode}"
         raise NormplugError(f"fairseq-generate failed for {run.label}: {last}")
     os.replace(tmp, output)
     scores = {**score_generation(output, run.data_dir, run.tgt), **selected_checkpoint(checkpoint)}

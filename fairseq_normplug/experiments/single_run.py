@@ -18,7 +18,8 @@ import sys
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import PROJECT_DIR, load_table
 from fairseq_normplug.experiments.ownership import owned
-from fairseq_normplug.experiments.runner import Run, check_data_dir, evaluate, run_folder, train, train_flags
+from fairseq_normplug.experiments.runner import (LauncherStopped, Run, check_data_dir, evaluate, run_folder,
+                                                 stop_signals_forwarded, train, train_flags)
 
 
 def pair_of(data_dir: str) -> str:
@@ -58,10 +59,12 @@ def train_main(argv=None):
     args = parser_for("train.sh", train_flags=True).parse_args(argv)
     try:
         run = build_run(args)
-        with owned(run.run_dir, run.label):
+        with stop_signals_forwarded(), owned(run.run_dir, run.label):
             status = train(run, train_flags(args.train_flags))
     except NormplugError as error:
         sys.exit(f"train.sh: error: {error}")
+    except LauncherStopped as stop:
+        sys.exit(f"train.sh: {stop}: fairseq-train ended; the same command resumes the run")
     print(json.dumps(status, indent=2)[:2000])
     sys.exit(0 if status["status"] in ("done", "diverged") else 1)
 
@@ -70,10 +73,12 @@ def evaluate_main(argv=None):
     args = parser_for("evaluate.sh", train_flags=False).parse_args(argv)
     try:
         run = build_run(args)
-        with owned(run.run_dir, run.label):
+        with stop_signals_forwarded(), owned(run.run_dir, run.label):
             scores = evaluate(run)
     except NormplugError as error:
         sys.exit(f"evaluate.sh: error: {error}")
+    except LauncherStopped as stop:
+        sys.exit(f"evaluate.sh: {stop}: fairseq-generate ended; the same command decodes again")
     if scores is None:
         sys.exit(f"evaluate.sh: error: {run.label} is not trained ({run.status()['status']}); "
                  f"run scripts/train.sh first")
