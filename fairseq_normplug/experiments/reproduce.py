@@ -372,10 +372,9 @@ def run_shape(runs: List[Run], pairs: Sequence[str], seeds: PairSeeds) -> str:
     """``2 pairs x 5 rows x 3 seeds``, or with other seeds on some pair
     ``2 pairs x 5 rows; seeds de-en 1 2 3, az-en 1 2``."""
     rows = len(dict.fromkeys(run.row.name for run in runs))
-    counts = {len(seeds.of(pair)) for pair in pairs}
     if len({seeds.of(pair) for pair in pairs}) > 1:
         return f"{len(pairs)} pairs x {rows} rows; seeds {seeds.describe(pairs)}"
-    count = counts.pop()
+    count = len(seeds.of(pairs[0]))
     return f"{len(pairs)} pairs x {rows} rows" + (f" x {count} seeds" if count > 1 else "")
 
 
