@@ -4,12 +4,14 @@ then write ``results/<TABLE>/results.{csv,md}`` and the figures.
 Resumable: finished rows are skipped, interrupted ones resume from their last checkpoint,
 diverged ones stay recorded as diverged. Runs go one after another on this machine, or
 ``--jobs N`` at once (``--devices-per-run K`` GPUs each), or as SLURM jobs (``--launcher slurm``;
-experiments/launchers.py); ``--seeds`` trains every cell with several seeds. ``--print-commands``,
+experiments/launchers.py); ``--seeds`` trains every cell with several seeds (``PAIR=N,N,...``: other
+seeds on one pair, :func:`parse_seeds`). ``--print-commands``,
 ``--status``, ``--collect`` and ``--preflight`` (experiments/preflight.py) look at a table instead
 of running it. The table is written whatever its runs did; exits 1 when a run failed (a diverged
 run is a result). See docs/experiments.md.
 """
 import argparse
+import dataclasses
 import errno
 import json
 import logging
@@ -18,7 +20,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -58,15 +60,83 @@ def result_status(run: Run, collecting: bool = False) -> str:
     return "failed"
 
 
+@dataclasses.dataclass(frozen=True)
+class PairSeeds:
+    """The training seeds of each pair (``--seeds 1 2 3 az-en=1,2``): ``default`` for every pair
+    that ``per_pair`` does not name, ``per_pair`` {pair: its seeds} for the others."""
+    default: Tuple[int, ...] = (1,)
+    per_pair: Mapping[str, Tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def of(self, pair: str) -> Tuple[int, ...]:
+        """The seeds that ``pair`` trains and collects."""
+        return self.per_pair.get(pair, self.default)
+
+    def check_pairs(self, pairs: Sequence[str]) -> None:
+        """A ``PAIR=`` entry for a pair that is not run here is refused (NormplugError)."""
+        for pair, seeds in self.per_pair.items():
+            if pair not in pairs:
+                raise NormplugError(f"--seeds {pair}={','.join(map(str, seeds))}: {pair} is not a pair of this "
+                                    f"run; choose from {', '.join(pairs)}")
+
+    def describe(self, pairs: Sequence[str]) -> str:
+        """``de-en 1 2 3, az-en 1 2``: each pair's seeds."""
+        return ", ".join(f"{pair} {' '.join(map(str, self.of(pair)))}" for pair in pairs)
+
+
+#: what :func:`plan_runs` takes as seeds: one list for every pair, or :class:`PairSeeds`
+Seeds = Union[Sequence[int], PairSeeds]
+
+
+def pair_seeds(seeds: Seeds) -> PairSeeds:
+    """``seeds`` as :class:`PairSeeds` (one list of seeds: the same on every pair)."""
+    return seeds if isinstance(seeds, PairSeeds) else PairSeeds(default=tuple(seeds))
+
+
+def _seed_list(text: str, entry: str) -> Tuple[int, ...]:
+    """The distinct non-negative integers of ``text`` (``1,2``), or a one-line NormplugError."""
+    seeds = []
+    for item in text.split(","):
+        if not re.fullmatch(r"[0-9]+", item):
+            raise NormplugError(f"--seeds {entry}: {item!r} is not a seed (a non-negative integer); "
+                                f"write N ... or PAIR=N,N,...")
+        seeds.append(int(item))
+    if len(set(seeds)) != len(seeds):
+        raise NormplugError(f"--seeds must be distinct non-negative integers, got {entry}")
+    return tuple(seeds)
+
+
+def parse_seeds(values: Sequence[str]) -> PairSeeds:
+    """``--seeds``: plain numbers are every pair's seeds (default 1), ``PAIR=N,N,...`` one pair's
+    instead (``--seeds 1 2 3 az-en=1,2``: de-en seeds 1, 2, 3 and az-en seeds 1, 2). A bad
+    number, a repeated seed or a pair named twice is a one-line NormplugError."""
+    default, per_pair = [], {}
+    for value in values:
+        if "=" not in value:
+            default.extend(_seed_list(value, value))
+            continue
+        pair, text = value.split("=", 1)
+        pair = check_pair(pair, "--seeds")
+        if pair in per_pair:
+            raise NormplugError(f"--seeds names {pair} twice ({pair}={','.join(map(str, per_pair[pair]))} and "
+                                f"{value}); give each pair one PAIR=N,N,... entry")
+        per_pair[pair] = _seed_list(text, value)
+    if len(set(default)) != len(default):
+        raise NormplugError(f"--seeds must be distinct non-negative integers, got {default}")
+    return PairSeeds(default=tuple(default) or (1,), per_pair=per_pair)
+
+
 def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str,
-              rows: List[str] = (), seeds: Sequence[int] = (1,), check_data: bool = True) -> List[Run]:
-    """All (pair, row, seed) runs, after checking every input (nothing is trained on bad input).
+              rows: List[str] = (), seeds: Seeds = (1,), check_data: bool = True) -> List[Run]:
+    """All (pair, row, seed) runs, after checking every input (nothing is trained on bad input);
+    ``seeds``: one list for every pair, or :class:`PairSeeds` (each pair its own).
     ``check_data=False`` (``--print-commands``) accepts a data folder not prepared yet: its
     commands are printed as the prepare scripts' default (subword-nmt) would make them."""
     repeated = sorted({name for name in rows if list(rows).count(name) > 1})
     if repeated:
         raise NormplugError(f"--rows names {repeated[0]!r} twice; name each row once")
     selected = [table.row(name) for name in rows] if rows else table.rows
+    seeds = pair_seeds(seeds)
+    seeds.check_pairs(pairs)
     runs = []
     for pair in pairs:
         check_pair(pair, example=table.pairs[0])
@@ -78,7 +148,7 @@ def plan_runs(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
         else:
             assumed = "subword_nmt"
         for row in selected:
-            for seed in seeds:
+            for seed in seeds.of(pair):
                 runs.append(Run(table=table, row=row, pair=pair, data_dir=data_dirs[pair], seed=seed,
                                 run_dir=run_folder(runs_dir, table.name, pair, row.name, seed),
                                 assumed_subword=assumed))
@@ -359,7 +429,7 @@ def check_batching(runs: List[Run], extra_train: Sequence[str]) -> None:
 
 def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_dir: str, results_dir: str,
               rows: List[str] = (), extra_train: List[str] = (), echo: Callable[[str], None] = print,
-              seeds: Sequence[int] = (1,), launcher=None, echo_failures: bool = True,
+              seeds: Seeds = (1,), launcher=None, echo_failures: bool = True,
               metric: Optional[str] = None) -> TableResults:
     """Train and evaluate every (pair, row, seed) run of ``table`` with ``launcher`` (default:
     this machine, one run after another), then write the results table and figures; the last
@@ -374,15 +444,23 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     problem = tables.results_owner_problem(results_dir, table.name)
     if problem:
         raise NormplugError(f"{problem}; nothing was run")
-    per_pair = len(runs) // len(pairs)
-    shape = f"{per_pair} rows" if len(seeds) == 1 else f"{per_pair // len(seeds)} rows x {len(seeds)} seeds"
-    echo(f"[reproduce] {table.title}: {len(runs)} runs ({len(pairs)} pairs x {shape})")
+    echo(f"[reproduce] {table.title}: {len(runs)} runs ({run_shape(runs, pairs, pair_seeds(seeds))})")
     launcher.execute(runs, extra_train, echo)
     results = write_table(table, runs, results_dir, echo, metric=metric)
     failed = failed_runs(runs, launcher.logs, getattr(launcher, "errors", None))
     if echo_failures:
         report_failures(failed, echo)
     return TableResults(results, runs, failed)
+
+
+def run_shape(runs: List[Run], pairs: Sequence[str], seeds: PairSeeds) -> str:
+    """``2 pairs x 5 rows x 3 seeds``, or with other seeds on some pair
+    ``2 pairs x 5 rows; seeds de-en 1 2 3, az-en 1 2``."""
+    rows = len(dict.fromkeys(run.row.name for run in runs))
+    if len({seeds.of(pair) for pair in pairs}) > 1:
+        return f"{len(pairs)} pairs x {rows} rows; seeds {seeds.describe(pairs)}"
+    count = len(seeds.of(pairs[0]))
+    return f"{len(pairs)} pairs x {rows} rows" + (f" x {count} seeds" if count > 1 else "")
 
 
 def load_speeds(path: str = SPEED_PATH) -> dict:
@@ -533,8 +611,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", action="append", default=[], metavar="PAIR=DIR",
                         help="prepared data folder of a pair (default: configs/data.json)")
     parser.add_argument("--rows", nargs="+", default=[], metavar="NAME", help="only these rows")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[1], metavar="N",
-                        help="train every cell with each seed, each in its own run folder (default: 1)")
+    parser.add_argument("--seeds", nargs="+", default=["1"], metavar="N|PAIR=N,N",
+                        help="train every cell with each seed, each in its own run folder (default: 1); "
+                             "PAIR=N,N,... gives one pair other seeds (--seeds 1 2 3 az-en=1,2: de-en seeds "
+                             "1-3, az-en seeds 1-2), in every mode (--collect: the table of those seeds)")
     parser.add_argument("--runs-dir", default=os.path.join(PROJECT_DIR, "runs"))
     parser.add_argument("--results-dir", help="default: results/TABLE")
     parser.add_argument("--recipe", metavar="NAME",
@@ -605,8 +685,7 @@ def main(argv=None):
         if len(modes) > 1:
             raise NormplugError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} "
                                 f"exclude each other; pick one")
-        if len(set(args.seeds)) != len(args.seeds) or min(args.seeds) < 0:
-            raise NormplugError(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+        seeds = parse_seeds(args.seeds)
         if args.metric is not None:
             tables.with_cell_metric({}, args.table, args.metric)  # an unknown metric: one line, before any work
         table = load_table(args.table)
@@ -624,13 +703,14 @@ def main(argv=None):
         load_extensions([item for row in table.rows for item in command_line_items(row.model)])
         data_dirs = {**load_data_locations(), **parse_data_overrides(args.data)}
         pairs = args.pairs or table.pairs
+        seeds.check_pairs(pairs)
         results_dir = args.results_dir or os.path.join(PROJECT_DIR, "results", table.name)
         runs_dir = os.path.abspath(args.runs_dir)
         extra = train_flags(args.train_flags)
         launcher = make_launcher(args, runs_dir, table)
         slurm_preflight = isinstance(launcher, launchers.SlurmLauncher) and not args.no_preflight
         if args.preflight or (slurm_preflight and not modes):
-            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, args.seeds,
+            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, seeds,
                                               check_data=False))
             problems = launcher.preflight(runs, extra, runs_dir, results_dir, print)["problems"]
             if problems:
@@ -639,7 +719,7 @@ def main(argv=None):
             if modes:
                 return
         if modes:
-            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, args.seeds,
+            runs = launcher.prepare(plan_runs(table, pairs, data_dirs, runs_dir, args.rows, seeds,
                                               check_data=not args.print_commands))
             if args.print_commands:
                 print_commands(runs, launcher, extra)
@@ -654,7 +734,7 @@ def main(argv=None):
                 print(f"[reproduce] collected {len(runs) - len(failed)} of {len(runs)} runs with a result")
             return
         results = run_table(table, pairs, data_dirs, runs_dir, results_dir, args.rows, extra,
-                            seeds=args.seeds, launcher=launcher, metric=args.metric)
+                            seeds=seeds, launcher=launcher, metric=args.metric)
     except NormplugError as error:
         sys.exit(f"reproduce.sh: error: {error}")
     except KeyboardInterrupt:

@@ -506,6 +506,20 @@ def _marks_line(runs: Sequence[dict]) -> List[str]:
             f"cell{'s' if len(compared) > 1 else ''} of this table; \u2020 p < 0.05, \u2021 p < 0.01.", ""]
 
 
+def _seeds_line(runs: Sequence[dict], pairs: Sequence[str]) -> List[str]:
+    """Which seeds the cells of each pair are over (a table of several seeds): ``Seeds: de→en
+    cells over seeds 1, 2, 3; az→en cells over seeds 1, 2`` when the pairs differ (reproduce.sh
+    --seeds PAIR=N,N,...), ``Seeds: every cell over seeds 1, 2, 3`` when they do not."""
+    if not _several_seeds(runs):
+        return []
+    seeds = {pair: sorted({run["seed"] for run in runs if run["pair"] == pair}) for pair in pairs}
+    listed = {pair: ", ".join(map(str, numbers)) for pair, numbers in seeds.items()}
+    if len(set(listed.values())) == 1:
+        return [f"Seeds: every cell over seeds {next(iter(listed.values()))}.", ""]
+    return ["Seeds: " + "; ".join(f"{_pair_label(pair)} cells over seeds {listed[pair]}" for pair in pairs)
+            + " (the pairs were collected with different seeds: reproduce.sh --seeds PAIR=N,N,...).", ""]
+
+
 def _table_section(table: str, runs: List[dict], paper: dict) -> List[str]:
     spec = paper.get("tables", {}).get(table, {})
     metric = cell_metric(paper, table)
@@ -513,7 +527,8 @@ def _table_section(table: str, runs: List[dict], paper: dict) -> List[str]:
     row_ids = list(dict.fromkeys(run["row"] for run in runs))
     cells = _cells(table, runs)
     configs = {run["row"]: run["config"] for run in runs}
-    lines = [f"## {_md(spec.get('title', table))}", "", f"Cells: {METRICS[metric]}.", ""] + _marks_line(runs) + [
+    lines = [f"## {_md(spec.get('title', table))}", "", f"Cells: {METRICS[metric]}.", ""] + _seeds_line(runs, pairs) + \
+        _marks_line(runs) + [
              "| | " + " | ".join(_pair_label(p) for p in pairs) + " |",
              "|---|" + "---:|" * len(pairs)]
     for row_id in row_ids:
