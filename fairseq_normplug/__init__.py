@@ -33,12 +33,13 @@ from fairseq_normplug.models.placements import (  # noqa: E402
     SUBLAYER_NORMS, Modifier, Placement, new_norm, register_modifier, register_placement,
 )
 # helpers the built-in designs use, for extensions too: float32 scalars and statistics under
-# fp16/bf16, a parameter-free norm, a flag's spelling, a sum over the data-parallel ranks
+# fp16/bf16, a parameter-free norm, a flag's spelling, a numeric flag's range, a sum over the data-parallel ranks
 from fairseq_normplug.modules.float32_params import HALF_DTYPES, Float32Params  # noqa: E402
 from fairseq_normplug.modules.fused import upcast  # noqa: E402
 from fairseq_normplug.modules.identity_norm import IdentityNorm  # noqa: E402
 from fairseq_normplug.modules.auto_init import sum_over_ranks  # noqa: E402
 from fairseq_normplug.models.placements.base import flag  # noqa: E402
+from fairseq_normplug.numeric_flags import number_flag  # noqa: E402  (a numeric flag: finite, in its range)
 from fairseq_normplug.extensions import load_startup_extensions  # noqa: E402
 
 # a researcher's own norms and placements (docs/extending.md): installed packages' entry points,
@@ -47,5 +48,5 @@ load_startup_extensions()
 
 __all__ = ["NormplugError", "FormulaNorm", "register_norm", "Placement", "Modifier", "register_placement",
            "register_modifier", "new_norm", "ATTENTION", "FFN", "FINAL", "SUBLAYER_NORMS", "Float32Params",
-           "HALF_DTYPES", "upcast", "IdentityNorm", "sum_over_ranks", "flag"]
+           "HALF_DTYPES", "upcast", "IdentityNorm", "sum_over_ranks", "flag", "number_flag"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ LAYERS = (
     # paths, the toy corpus
     {"errors", "install_plan", "checkpoint_compat", "atomic_files", "fairseq_patches", "cli",
      "fairseq_parsing", "synthetic_corpus", "resources"},
+    {"numeric_flags"},            # the one check of every numeric flag (finite, in its declared range)
     {"extensions", "hub"},        # loading a researcher's own norms and placements; hub files beside checkpoints
     {"modules", "prepare"},       # norm layers; corpus preparation
     {"optim"},                    # lr schedules; the param group of --norm-weight-decay

@@ -203,7 +203,7 @@ def test_resume_from_saved_state_continues_identically(tiny_bin, flags):
 # ---- refused combinations ----------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,message", [
-    (["--norm-weight-decay", "-0.5"], "--norm-weight-decay must be a finite number >= 0, got -0.5"),
+    (["--norm-weight-decay", "-0.5"], "--norm-weight-decay must be >= 0, got -0.5"),
     (["--norm-weight-decay", "nan"], "got nan"),
     (["--norm-weight-decay", "0", "--fp16"], "needs --fp16-no-flatten-grads"),
     (["--norm-weight-decay", "0", "--optimizer", "composite"], "--optimizer composite is not one"),
@@ -266,6 +266,6 @@ def test_fairseq_train_bad_value_is_one_line_before_data(tiny_bin, tmp_path):
     proc = _train(tiny_bin, tmp_path, 4, "--norm-weight-decay", "-1")
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert errors == ["fairseq-normplug: error: --norm-weight-decay must be a finite number >= 0, got -1.0"]
+    assert errors == ["fairseq-normplug: error: --norm-weight-decay must be >= 0, got -1.0"]
     assert "Traceback" not in proc.stderr and "loaded" not in proc.stdout + proc.stderr
     assert not (tmp_path / "checkpoint_last.pt").exists()

@@ -80,7 +80,7 @@ def test_seednorm_bf16_backward_is_finite_with_float32_statistics():
     assert torch.allclose(y.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("heads,message", [(0, "--seednorm-heads must be a positive integer, got 0"),
+@pytest.mark.parametrize("heads,message", [(0, "--seednorm-heads must be >= 1, got 0"),
                                            (3, "--seednorm-heads 3 does not divide --encoder-embed-dim 64")])
 def test_bad_seednorm_heads_are_refused_in_one_line(tiny_bin, heads, message):
     with pytest.raises(NormplugError, match=message):

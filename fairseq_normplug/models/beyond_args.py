@@ -10,6 +10,7 @@ from typing import Optional
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.embed_scale import EMBED_SCALES
 from fairseq_normplug.modules.residual_scale import RESIDUAL_SCALES
+from fairseq_normplug.numeric_flags import number_flag
 from fairseq_normplug.optim.norm_weight_decay import check_norm_weight_decay_args
 
 #: the residual scalings defined for PostNorm only (x <- LN(alpha x + F(x)) in every layer), and where
@@ -28,7 +29,7 @@ def add_beyond_args(add) -> None:
     add("--qknorm", action="store_true",
         help="QKNorm (Henry et al. 2020): q and k l2-normalised per head, a learnable scalar g per "
              "attention layer replaces 1/sqrt(d_k)")
-    add("--qknorm-g0", type=float, metavar="G",
+    add("--qknorm-g0", metavar="G", **number_flag(above=0),
         help="QKNorm's initial g (default: log2(L^2-L), L = 97.5th percentile of the training "
              "target lengths, computed from the data dir and stored in the checkpoint)")
     add("--residual-scale", choices=RESIDUAL_SCALES,
@@ -38,7 +39,7 @@ def add_beyond_args(add) -> None:
     add("--embed-scale", choices=EMBED_SCALES,
         help="embedding scale: fixed (default, fairseq's sqrt(d), or 1 with --no-scale-embedding) "
              "or learnable (a learnable scalar starting there; DyT's LLM recipe)")
-    add("--norm-weight-decay", type=float, metavar="WD",
+    add("--norm-weight-decay", metavar="WD", **number_flag(at_least=0),
         help="weight decay of the norm parameters (every norm's gains/biases/g/alpha) and the "
              "scalar or per-channel gains (--residual-scale, QKNorm's g, --embed-scale learnable), "
              "in their own optimizer param group; default: --weight-decay (stock: one group); "
@@ -73,8 +74,6 @@ def resolve_beyond_args(args, norm_type: str, placement, weight_init_given: bool
         refuse(f"unknown --embed-scale {embed_scale!r}; choose from {', '.join(EMBED_SCALES)}")
     if args.qknorm_g0 is not None and not args.qknorm:
         refuse("--qknorm-g0 needs --qknorm")
-    if args.qknorm_g0 is not None and args.qknorm_g0 <= 0:
-        refuse(f"--qknorm-g0 must be > 0, got {args.qknorm_g0}")
     if args.qknorm:
         for name in ("encoder_xformers_att_config", "decoder_xformers_att_config"):
             if getattr(args, name, None):

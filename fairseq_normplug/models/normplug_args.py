@@ -1,6 +1,7 @@
 """Command-line flags of ``transformer_normplug`` and their resolution into a validated
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
+import argparse
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from fairseq_normplug.extensions import LOADED, load_extensions, needed_sources
 from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
 from fairseq_normplug.models.placement_args import add_placement_args, resolve_placement_args
 from fairseq_normplug.models.placements.layers import LayerPlan
+from fairseq_normplug.numeric_flags import check_number_flags, number_flag
 from fairseq_normplug.models.output_layer_args import (
     OutputLayerSettings,
     add_output_layer_args,
@@ -44,7 +46,7 @@ def add_normplug_args(parser) -> None:
     add("--postnorm", action="store_true",
         help="PostNorm (the default): norm after each residual addition; no final norms "
              "(= --norm-placement post)")
-    add("--norm-eps", type=float, metavar="EPS",
+    add("--norm-eps", metavar="EPS", **number_flag(above=0),
         help="ScaleNorm/RMSNorm/DyISRU epsilon (default 1e-5)")
     add("--zero-centered-gamma", action="store_true",
         help="store each norm's per-channel gain as gamma, init 0, applied as 1+gamma "
@@ -58,7 +60,7 @@ def add_normplug_args(parser) -> None:
              "baseline) or smallinit")
     add("--smallinit", action="store_true",
         help="shorthand for --weight-init smallinit: attention weights ~ N(0, sqrt(2/(5d)))")
-    add("--norm-stats-interval", type=int, metavar="N",
+    add("--norm-stats-interval", metavar="N", **number_flag(int, at_least=0),
         help="every N updates, log each norm's scale (ScaleNorm g, DyT alpha, mean gain) and "
              "its input std into the training log (0 = off, the default)")
     add("--normplug-modules", metavar="PATH[,PATH...]",
@@ -81,6 +83,15 @@ class NormplugSettings:
     beyond: BeyondSettings
     output: OutputLayerSettings
     layer_plan: LayerPlan  # --norm-placement and the modifiers switched on
+
+
+def check_numeric_flags(args) -> None:
+    """Every numeric flag of the plugin (extensions' included) on ``args``: finite and in the
+    range declared with it (:mod:`fairseq_normplug.numeric_flags`), whatever made ``args``
+    (fairseq-train checks as it parses; a checkpoint's or a hand-made Namespace is checked here)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
+    add_normplug_args(parser)
+    check_number_flags(args, parser._actions)
 
 
 def fill_normplug_defaults(args) -> None:
@@ -134,13 +145,12 @@ def resolve_normplug_args(args) -> NormplugSettings:
     """
     fill_normplug_defaults(args)
     load_extensions(args.normplug_modules)  # the checkpoint's or the command line's own norms/placements
+    check_numeric_flags(args)  # finite and in range, before any combination is judged
     norm = resolve_norm_type(args)  # --norm-type, its shorthands, its own flags and refusals
     norm_type = norm.name
     layer_plan = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
     record_extensions(args, [norm.source, *layer_plan.sources])
     prenorm = layer_plan.placement.name == "pre"
-
-    _require(args.norm_eps > 0, f"--norm-eps must be > 0, got {args.norm_eps}")
 
     weight_init_given = args.weight_init not in (None, "fairseq") or args.smallinit
     weight_init = args.weight_init or "fairseq"
@@ -158,8 +168,6 @@ def resolve_normplug_args(args) -> NormplugSettings:
         _require(not getattr(args, "adaptive_softmax_cutoff", None),
                  "--fixnorm cannot be combined with --adaptive-softmax-cutoff "
                  f"(got {getattr(args, 'adaptive_softmax_cutoff', None)})")
-    _require(args.norm_stats_interval >= 0,
-             f"--norm-stats-interval must be >= 0, got {args.norm_stats_interval}")
 
     beyond = resolve_beyond_args(args, norm_type, layer_plan.placement, weight_init_given)
     output = resolve_output_layer_args(args)

@@ -20,7 +20,7 @@ from torch import nn
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std
-from fairseq_normplug.modules.norm_registry import register_norm, scale_init, scale_init_value
+from fairseq_normplug.modules.norm_registry import register_norm, scale_init, scale_init_flag
 
 DERF_DEFAULT_ALPHA = 0.5
 
@@ -39,7 +39,7 @@ class Derf(FormulaNorm):
     @staticmethod
     def add_args(parser):
         parser.add_argument(
-            "--derf-alpha-init", type=scale_init_value, metavar="A|auto",
+            "--derf-alpha-init", metavar="A|auto", **scale_init_flag(),
             help=f"Derf alpha initial value (default {DERF_DEFAULT_ALPHA}, the Derf authors' code); "
                  "auto: 1/std of each norm's input on the first training batch; the shift s starts at 0")
         parser.add_argument(

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules.norm_base import FormulaNorm
-from fairseq_normplug.modules.norm_registry import register_norm, scale_init, scale_init_value
+from fairseq_normplug.modules.norm_registry import register_norm, scale_init, scale_init_flag
 
 
 def default_beta(dim: int) -> float:
@@ -43,7 +43,7 @@ class DyISRU(FormulaNorm):
     @staticmethod
     def add_args(parser):
         parser.add_argument(
-            "--dyisru-beta-init", type=scale_init_value, metavar="B|auto",
+            "--dyisru-beta-init", metavar="B|auto", **scale_init_flag(),
             help="DyISRU beta initial value (default d-1: RMSNorm's value for unit-variance input); "
                  "auto: (d-1)*mean(x^2) of each norm's input on the first training batch")
 

@@ -21,7 +21,7 @@ from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.fused import Kernel, compute_dtype, native_ops, needs_autograd, rows
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_base import FormulaNorm, inverse_std, zero_centered_repr
-from fairseq_normplug.modules.norm_registry import ATTENTION, register_norm, scale_init, scale_init_value
+from fairseq_normplug.modules.norm_registry import ATTENTION, register_norm, scale_init, scale_init_flag
 
 #: the paper's default alpha0 (section 7, "alpha0 = 0.5 for non-LLM models")
 DYT_DEFAULT_ALPHA = 0.5
@@ -156,10 +156,10 @@ class DynamicTanh(FormulaNorm):
     @staticmethod
     def add_args(parser):
         add = parser.add_argument
-        add("--dyt-alpha-init", type=scale_init_value, metavar="A|auto",
+        add("--dyt-alpha-init", metavar="A|auto", **scale_init_flag(),
             help=f"DyT alpha initial value (default {DYT_DEFAULT_ALPHA}); auto: 1/std of each norm's "
                  "input on the first training batch (all ranks), logged")
-        add("--dyt-attn-alpha-init", type=scale_init_value, metavar="A|auto",
+        add("--dyt-attn-alpha-init", metavar="A|auto", **scale_init_flag(),
             help="DyT alpha initial value (or auto) for the norms of attention blocks, overriding "
                  "--dyt-alpha-init there (default: --dyt-alpha-init)")
         add("--dyt-squash", choices=tuple(SQUASH_FUNCTIONS),

@@ -10,7 +10,7 @@ built-in norm::
 
         @staticmethod
         def add_args(parser):             # optional: the norm's own flags (default None/False)
-            parser.add_argument("--mynorm-p", type=float)
+            parser.add_argument("--mynorm-p", **number_flag(above=0))
 
         @classmethod
         def check_args(cls, args):        # optional: one-line refusals (NormplugError)
@@ -19,8 +19,11 @@ built-in norm::
         def __init__(self, dim, args):    # dim: the width; args: fairseq's parsed arguments
             ...
 
-``scale_init_flags`` (optional) names its flags that take a number or ``auto``
-(:func:`scale_init_value`): they must be positive, and ``auto`` needs --amp with fp16/bf16.
+``scale_init_flags`` (optional) names its flags that take a number or ``auto`` (declared with
+``**scale_init_flag()``): they must be finite and positive, and ``auto`` needs --amp with
+fp16/bf16. A numeric flag of its own declares its range with ``**number_flag(...)``
+(:mod:`fairseq_normplug.numeric_flags`): a value that is not finite or out of range is refused
+in one line.
 ``build(cls, dim, args, slot)`` (a classmethod, optional) replaces ``cls(dim, args)`` when the
 module depends on where it sits (:class:`NormSlot`: the role ATTENTION/FFN/FINAL, whether it
 feeds the output layer, its logged name) or keeps a constructor of its own. The registry adds
@@ -41,6 +44,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 from torch import nn
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.numeric_flags import NumberRange, check_number, check_number_flags, number_flag
 
 #: an init value meaning "choose from the first training batch" (``auto_init.py``)
 AUTO = "auto"
@@ -49,6 +53,8 @@ AUTO = "auto"
 ATTENTION, FFN, FINAL = "attention", "ffn", "final"
 
 ScaleInit = Union[float, str]
+#: the valid values of a scale-init flag: a finite number > 0, or ``auto``
+SCALE_INIT_RANGE = NumberRange(low=0, low_open=True, words=(AUTO,))
 
 
 @dataclass(frozen=True)
@@ -74,7 +80,8 @@ class NormType:
         self.module = module
         self.shorthand = shorthand
         self.per_channel_gain = per_channel_gain
-        self.defaults = self._flag_defaults()
+        self.flags = self._flag_actions()
+        self.defaults = {action.dest: action.default for action in self.flags}
 
     @property
     def source(self) -> str:
@@ -90,14 +97,15 @@ class NormType:
         if add_args is not None:
             add_args(parser)
 
-    def _flag_defaults(self) -> Dict[str, object]:
-        """{dest: default} of the norm's own flags (read from a scratch parser)."""
+    def _flag_actions(self) -> Tuple[argparse.Action, ...]:
+        """The argparse actions of the norm's own flags (read from a scratch parser)."""
         parser = argparse.ArgumentParser(add_help=False)
         before = {action.dest for action in parser._actions}
         self.add_args(parser)
-        return {action.dest: action.default for action in parser._actions if action.dest not in before}
+        return tuple(action for action in parser._actions if action.dest not in before)
 
     def check_args(self, args) -> None:
+        check_number_flags(args, self.flags)  # finite, in the range declared with each flag
         check_scale_inits(args, getattr(self.module, "scale_init_flags", ()))
         check = getattr(self.module, "check_args", None)
         if check is not None:
@@ -254,14 +262,17 @@ def scale_init_value(text: str) -> ScaleInit:
         raise argparse.ArgumentTypeError(f"expected a number or '{AUTO}', got {text!r}") from None
 
 
+def scale_init_flag() -> dict:
+    """``add_argument`` keywords of a scale-init flag: a finite number > 0 or ``auto``."""
+    return number_flag(scale_init_value, above=0, words=(AUTO,))
+
+
 def check_scale_inits(args, dests: Sequence[str]) -> None:
-    """The scale-init flags ``dests``: positive or ``auto``; ``auto`` sets values during the first
+    """The scale-init flags ``dests``: finite and positive, or ``auto``; ``auto`` sets values during the first
     forward, after fairseq's --fp16/--bf16 optimizer copied its fp32 master weights (which would
     overwrite them after the first step), so it needs --amp or --memory-efficient-*."""
     for dest in dests:
-        value = getattr(args, dest, None)
-        if value not in (None, AUTO) and not float(value) > 0:
-            raise NormplugError(f"{flag(dest)} must be > 0, got {value} (or pass {AUTO})")
+        check_number(flag(dest), getattr(args, dest, None), SCALE_INIT_RANGE)
     autos = [dest for dest in dests if getattr(args, dest, None) == AUTO]
     low = [name for name in ("fp16", "bf16") if getattr(args, name, False)]
     exempt = any(getattr(args, name, False) for name in ("memory_efficient_fp16", "memory_efficient_bf16", "amp"))

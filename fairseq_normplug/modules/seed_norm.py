@@ -23,6 +23,7 @@ from torch import nn
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.norm_base import FormulaNorm
 from fairseq_normplug.modules.norm_registry import register_norm
+from fairseq_normplug.numeric_flags import number_flag
 
 
 def seednorm_reference(x: torch.Tensor, weight: torch.Tensor, beta: torch.Tensor, alpha: torch.Tensor,
@@ -45,15 +46,13 @@ class SeeDNorm(FormulaNorm):
     @staticmethod
     def add_args(parser):
         parser.add_argument(
-            "--seednorm-heads", type=int, metavar="H",
+            "--seednorm-heads", metavar="H", **number_flag(int, at_least=1),
             help="SeeDNorm: split the D channels into H heads, one tanh(x_h . beta_h) per head "
                  "(the paper's multi-head SeeDNorm); default 1, the single-head equation")
 
     @classmethod
     def check_args(cls, args):
         heads = getattr(args, "seednorm_heads", None)
-        if heads is not None and heads < 1:
-            raise NormplugError(f"--seednorm-heads must be a positive integer, got {heads}")
         for dest in ("encoder_embed_dim", "decoder_embed_dim"):
             dim = getattr(args, dest, None)
             if heads and isinstance(dim, int) and dim % heads:

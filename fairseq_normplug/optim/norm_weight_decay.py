@@ -35,7 +35,6 @@ for the same model and flags), including each group's ``weight_decay`` - the che
 values win over the command line, exactly as stock fairseq treats ``--weight-decay``.
 """
 import logging
-import math
 from typing import List, Optional, Sequence
 
 from torch import nn
@@ -72,9 +71,7 @@ def check_norm_weight_decay_args(args) -> Optional[float]:
     value = getattr(args, "norm_weight_decay", None)
     if value is None:
         return None
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0):
-        raise NormplugError(f"--norm-weight-decay must be a finite number >= 0, got {value}")
+    value = float(value)  # finite and >= 0: declared with the flag (models/beyond_args.py)
     optimizer = getattr(args, "optimizer", None)
     if isinstance(optimizer, str) and optimizer not in GROUP_WEIGHT_DECAY_OPTIMIZERS:
         raise NormplugError(

@@ -8,10 +8,11 @@ as in the authors' code (bzhangGo/rmsnorm, ``rmsnorm_torch.py``: ``partial_size 
 eps = 1e-8 added to the RMS, outside the square root). The paper's setting is p = 6.25 %.
 
 Written only against the plugin's public interface: ``register_norm`` and ``FormulaNorm``
-(fp16/bf16 computed in float32, the gain ``1 + gamma`` of ``--zero-centered-gamma``).
+(fp16/bf16 computed in float32, the gain ``1 + gamma`` of ``--zero-centered-gamma``) and
+``number_flag`` (``--prms-p`` finite and in (0, 1], refused in one line otherwise).
 """
 
-from fairseq_normplug import FormulaNorm, NormplugError, register_norm
+from fairseq_normplug import FormulaNorm, NormplugError, number_flag, register_norm
 
 PAPER_P = 0.0625  # 6.25 %, the paper's pRMSNorm setting
 AUTHORS_EPS = 1e-8  # bzhangGo/rmsnorm's default
@@ -23,15 +24,9 @@ class PartialRMSNorm(FormulaNorm):
 
     @staticmethod
     def add_args(parser):
-        parser.add_argument("--prms-p", type=float, metavar="P",
-                            help=f"pRMSNorm: the share of channels the RMS is estimated from "
+        parser.add_argument("--prms-p", metavar="P", **number_flag(above=0, at_most=1),
+                            help=f"pRMSNorm: the share of channels the RMS is estimated from, in (0, 1] "
                                  f"(default {PAPER_P}, the paper's 6.25%%)")
-
-    @classmethod
-    def check_args(cls, args):
-        p = PAPER_P if args.prms_p is None else args.prms_p
-        if not 0.0 < p <= 1.0:
-            raise NormplugError(f"--prms-p must be in (0, 1], got {p}")
 
     def __init__(self, dim, args):
         super().__init__(dim, zero_centered_gamma=args.zero_centered_gamma)

@@ -41,6 +41,7 @@ from torch import nn
 
 from fairseq_normplug.modules.float32_params import Float32Params
 from fairseq_normplug.modules.norm_registry import FFN
+from fairseq_normplug.numeric_flags import number_flag
 
 from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
 
@@ -128,7 +129,8 @@ class HyperConnections(Placement):
     @classmethod
     def add_args(cls, parser):
         parser.add_argument(
-            "--hc-streams", type=int, metavar="N",
+            "--hc-streams", metavar="N",
+            **number_flag(int, at_least=1, note=f"the number of residual streams; the papers use {DEFAULT_STREAMS}"),
             help=f"--norm-placement hyper-connections: the number of residual streams (expansion rate) "
                  f"N >= 1 (default {DEFAULT_STREAMS}, the papers')")
         parser.add_argument(
@@ -139,9 +141,6 @@ class HyperConnections(Placement):
     def __init__(self, args):
         super().__init__(args)
         streams = DEFAULT_STREAMS if args.hc_streams is None else args.hc_streams
-        if streams < 1:
-            self.refuse(f"--hc-streams must be >= 1 (the number of residual streams; the papers use "
-                        f"{DEFAULT_STREAMS}), got {streams}")
         self.refuse_residual_scale(args, "the hyper-connections' learned mixing replaces the x + F(x) residual "
                                          "it scales")
         self.refuse_tfixup(args)

@@ -15,6 +15,7 @@ switch is set, so modules and parameter names are PostNorm's plus, if present, t
 import math
 
 from fairseq_normplug.modules.norm_registry import FINAL
+from fairseq_normplug.numeric_flags import number_flag
 
 from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement, set_final_norm
 
@@ -35,15 +36,13 @@ class MixLN(Placement):
     @classmethod
     def add_args(cls, parser):
         parser.add_argument(
-            "--mix-ln-ratio", type=float, metavar="R",
+            "--mix-ln-ratio", metavar="R", **number_flag(at_least=0, at_most=1, note="the share of PostNorm layers"),
             help=f"--norm-placement mix: the share R in [0, 1] of each stack's layers (the first "
                  f"floor(R*L)) that are PostNorm (default {MIX_LN_DEFAULT_RATIO})")
 
     def __init__(self, args):
         super().__init__(args)
         ratio = MIX_LN_DEFAULT_RATIO if args.mix_ln_ratio is None else args.mix_ln_ratio
-        if not 0.0 <= ratio <= 1.0:
-            self.refuse(f"--mix-ln-ratio must be in [0, 1] (the share of PostNorm layers), got {ratio}")
         self.ratio = args.mix_ln_ratio = ratio
 
     def build_layer(self, layer, index, num_layers):

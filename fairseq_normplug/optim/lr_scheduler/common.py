@@ -29,6 +29,7 @@ from fairseq.optim.lr_scheduler import FairseqLRScheduler
 from omegaconf import II, DictConfig, OmegaConf
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.numeric_flags import NumberRange, check_number
 from fairseq_normplug.fairseq_patches import feed_validations_to
 
 logger = logging.getLogger(__name__)
@@ -178,30 +179,31 @@ def fmt_lr(lr: float) -> str:
     return f"{lr:.6g}"
 
 
-def _finite_positive(v):
-    return v > 0 and not math.isinf(v)
-
-
-# dest -> (argparse type, valid?, message); one table for argument time and __init__
+# dest -> (argparse type, valid values, message); one table for argument time and __init__
 FLAG_CHECKS = {
-    "lr_lambda": (float, _finite_positive,
+    "lr_lambda": (float, NumberRange(low=0, low_open=True),
                   "--lr-lambda must be a finite number > 0 (got {v:g}); paper: 1, 2xLR: 2"),
-    "warmup_updates": (int, lambda v: v >= 0,
+    "warmup_updates": (int, NumberRange(low=0),
                        "--warmup-updates must be >= 0 (got {v}); 0 means no warmup"),
-    "lr_d_model": (int, lambda v: v is None or v > 0,
+    "lr_d_model": (int, NumberRange(low=1),
                    "--lr-d-model must be a positive integer (got {v})"),
-    "stop_lr": (float, lambda v: v >= 0, "--stop-lr must be >= 0 (got {v:g}); 0 disables it"),
-    "lr_decay": (float, lambda v: 0.0 < v < 1.0,
+    "stop_lr": (float, NumberRange(low=0), "--stop-lr must be >= 0 (got {v:g}); 0 disables it"),
+    "lr_decay": (float, NumberRange(low=0, high=1, low_open=True, high_open=True),
                  "--lr-decay must be in the open interval (0, 1) (got {v:g}); paper: 0.8"),
-    "lr_patience": (int, lambda v: v >= 0, "--lr-patience must be >= 0 (got {v}); paper: 3"),
-    "stop_patience": (int, lambda v: v >= 0, "--stop-patience must be >= 0 (got {v}); 0 disables it"),
+    "lr_patience": (int, NumberRange(low=0), "--lr-patience must be >= 0 (got {v}); paper: 3"),
+    "stop_patience": (int, NumberRange(low=0), "--stop-patience must be >= 0 (got {v}); 0 disables it"),
 }
 
 
 def check_flag(dest: str, value) -> None:
-    """Raise NormplugError when ``value`` is not valid for the flag ``dest``."""
+    """Raise NormplugError when ``value`` is not valid for the flag ``dest``: not finite (the
+    plugin's one numeric-flag check, :mod:`fairseq_normplug.numeric_flags`) or out of range."""
     _, valid, message = FLAG_CHECKS[dest]
-    if value is not None and not valid(value):
+    if value is None:
+        return
+    if not math.isfinite(value):
+        check_number("--" + dest.replace("_", "-"), value, valid)
+    if not valid.contains(value):
         raise NormplugError(message.format(v=value))
 
 
