@@ -68,7 +68,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -324,12 +324,58 @@ def scaled_schedule_flags(schedule: Schedule, recipe: Recipe) -> List[str]:
     return flags
 
 
-def train_flags(text: str) -> List[str]:
-    """``--train-flags``, split as a shell splits it (quotes keep ``'(0.9, 0.999)'`` one value)."""
+#: fairseq-train flags every run's command sets itself (:meth:`Run.train_command`), and why
+#: ``--train-flags`` cannot change them
+RUNNER_OWNED_FLAGS = {
+    "--save-dir": "each run keeps its checkpoints in its own folder, RUN_DIR/checkpoints, where it "
+                  "resumes, selects and evaluates them (--runs-dir or train.sh --run-dir moves the run folders)",
+    "--seed": "each run trains with its own seed, the one its folder is named after "
+              "(reproduce.sh --seeds N [N ...])",
+}
+
+
+def _is_number(text: str) -> bool:
     try:
-        return shlex.split(text)
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_data_folder(text: str) -> bool:
+    """Whether ``text`` names a folder of fairseq data: its dictionaries, or a ``bin/`` holding them."""
+    return any(glob.glob(os.path.join(text, *sub, "dict.*.txt")) for sub in ((), ("bin",))) if os.path.isdir(text) else False
+
+
+def runner_owned_problem(flags: Sequence[str]) -> Optional[str]:
+    """Why ``flags`` (``--train-flags``) would change what the runner sets in every run's
+    command, or None: :data:`RUNNER_OWNED_FLAGS`, or a data path (fairseq-train's positional
+    argument: the first item, an item after another non-flag that is not a number, or a
+    folder of fairseq data)."""
+    for i, item in enumerate(flags):
+        name = item.split("=", 1)[0]
+        if name in RUNNER_OWNED_FLAGS:
+            return f"{name} is set by the runner: {RUNNER_OWNED_FLAGS[name]}; drop it from --train-flags"
+        if item.startswith("-"):
+            continue
+        after_value = i > 0 and not flags[i - 1].startswith("-") and not _is_number(item)
+        if i == 0 or after_value or _is_data_folder(item):
+            return (f"{item!r} is a data path, which the runner gives every run (its pair's prepared data "
+                    f"folder: reproduce.sh --data PAIR=DIR, train.sh DATA_DIR); drop it from --train-flags")
+    return None
+
+
+def train_flags(text: str) -> List[str]:
+    """``--train-flags``, split as a shell splits it (quotes keep ``'(0.9, 0.999)'`` one value);
+    a flag the runner sets in every run (:func:`runner_owned_problem`) is refused in one line."""
+    try:
+        flags = shlex.split(text)
     except ValueError as error:
         raise NormplugError(f"--train-flags {text!r}: {error} (it is split like a shell command line)") from None
+    problem = runner_owned_problem(flags)
+    if problem:
+        raise NormplugError(f"--train-flags {text!r}: {problem}")
+    return flags
 
 
 def decoding_task_flags(decoding: dict) -> List[str]:

@@ -58,9 +58,10 @@ def parser_for(prog: str, train_flags: bool) -> argparse.ArgumentParser:
 def train_main(argv=None):
     args = parser_for("train.sh", train_flags=True).parse_args(argv)
     try:
+        extra = train_flags(args.train_flags)  # its refusals first: before the data is read
         run = build_run(args)
         with stop_signals_forwarded(), owned(run.run_dir, run.label):
-            status = train(run, train_flags(args.train_flags))
+            status = train(run, extra)
     except NormplugError as error:
         sys.exit(f"train.sh: error: {error}")
     except LauncherStopped as stop:
