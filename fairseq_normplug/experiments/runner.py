@@ -344,7 +344,9 @@ def _is_number(text: str) -> bool:
 
 def _is_data_folder(text: str) -> bool:
     """Whether ``text`` names a folder of fairseq data: its dictionaries, or a ``bin/`` holding them."""
-    return any(glob.glob(os.path.join(text, *sub, "dict.*.txt")) for sub in ((), ("bin",))) if os.path.isdir(text) else False
+    if not os.path.isdir(text):
+        return False
+    return any(glob.glob(os.path.join(text, *sub, "dict.*.txt")) for sub in ((), ("bin",)))
 
 
 def runner_owned_problem(flags: Sequence[str]) -> Optional[str]:
