@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shlex
+import unicodedata
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -50,6 +51,24 @@ PAIR_PATTERN = re.compile(r"[a-z]{2,3}-[a-z]{2,3}")
 def slug(name: str) -> str:
     """A row's run-folder name: its name lower-cased, every run of other characters one ``-``."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+#: Unicode categories a row name cannot hold: control characters (newline, tab, ...) and the
+#: line and paragraph separators; a row name is one line of text (a row of results.md)
+NOT_IN_ROW_NAMES = ("Cc", "Zl", "Zp")
+
+
+def check_row_name(name, where: str) -> str:
+    """``name`` if it can name a row: a string with letters or digits (it names the run folder),
+    all on one line (no character of :data:`NOT_IN_ROW_NAMES`); else a one-line NormplugError
+    prefixed with ``where``."""
+    if not isinstance(name, str) or not slug(name):
+        raise NormplugError(f"{where}: row name {name!r} needs letters or digits (it names the run folder)")
+    bad = [char for char in name if unicodedata.category(char) in NOT_IN_ROW_NAMES]
+    if bad:
+        raise NormplugError(f"{where}: row name {name!r} holds the control character {bad[0]!r}; a row name "
+                            f"is one line of text (it is a row of results.md)")
+    return name
 
 
 def check_pair(pair, where: Optional[str] = None, example: str = "gl-en") -> str:
@@ -338,8 +357,7 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
                   model=_check_flags(row_data["model"], where) + extension_flags(modules, PROJECT_DIR),
                   schedule=row_data["schedule"], baseline=row_data.get("baseline"),
                   train=_check_flags(row_data.get("train", []), where), paper=row_data.get("paper"))
-        if not isinstance(row.name, str) or not slug(row.name):
-            raise NormplugError(f"{where}: row name {row.name!r} needs letters or digits (it names the run folder)")
+        check_row_name(row.name, where)
         if row.name in names:
             raise NormplugError(f"{where}: duplicate row name {row.name!r}")
         if slug(row.name) in folders:
@@ -401,6 +419,7 @@ def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] =
         if not equals or not name:
             raise NormplugError(f"--add-row {spec!r}: write it as \"NAME=FLAGS\", e.g. "
                                 f"\"PreNorm + MyNorm=--prenorm --norm-type mynorm\"")
+        check_row_name(name, "--add-row")
         if name in names:
             raise NormplugError(f"--add-row {name!r}: the table {table.name} already has a row of that name; "
                                 f"choose another")

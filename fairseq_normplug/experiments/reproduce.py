@@ -27,7 +27,8 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, launchers, preflight, tables
 from fairseq_normplug.experiments.configs import (
-    CONFIG_DIR, PAIR_PATTERN, PROJECT_DIR, Table, available_tables, check_pair, load_data_locations, load_table,
+    CONFIG_DIR, PAIR_PATTERN, PROJECT_DIR, Table, available_tables, check_pair, check_row_name, load_data_locations,
+    load_table,
     under_recipe, with_added_rows,
 )
 from fairseq_normplug.experiments.ownership import live_holder
@@ -686,6 +687,8 @@ def main(argv=None):
             raise NormplugError(f"--{modes[0].replace('_', '-')} and --{modes[1].replace('_', '-')} "
                                 f"exclude each other; pick one")
         seeds = parse_seeds(args.seeds)
+        for name in args.rows:
+            check_row_name(name, "--rows")
         if args.metric is not None:
             tables.with_cell_metric({}, args.table, args.metric)  # an unknown metric: one line, before any work
         table = load_table(args.table)
