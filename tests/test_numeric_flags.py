@@ -119,3 +119,13 @@ def test_check_number_flags_reads_the_declared_ranges():
         check_number_flags(argparse.Namespace(ratio=1, count=3), parser._actions)
     with pytest.raises(NormplugError, match=r"^--count must be >= 1, got 0$"):
         parser.parse_args(["--count", "0"])
+
+
+def test_a_hydra_model_config_value_gets_the_same_check():
+    from omegaconf import OmegaConf
+    from fairseq_normplug.models.normplug_config import check_hydra_model_config
+
+    cfg = OmegaConf.create({"model": {"_name": TINY, "norm_type": "dyt", "dyt_alpha_init": float("inf")}})
+    with pytest.raises(NormplugError) as error:
+        check_hydra_model_config(cfg)
+    assert str(error.value) == "--dyt-alpha-init must be a finite number > 0, got inf (or pass auto)"
