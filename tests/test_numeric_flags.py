@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-from conftest import REPO
 from fairseq_normplug import number_flag
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.normplug_args import resolve_normplug_args
