@@ -40,5 +40,5 @@ def test_add_row_and_rows_refuse_it_before_any_work(tmp_path, name, shown):
 def test_single_line_names_pass():
     for name in ("PreNorm + DyT (α=0.5)", "Post-LN, ×2 warmup", "FixNorm + ScaleNorm ‡"):
         assert check_row_name(name, "--add-row") == name
-    with pytest.raises(NormplugError, match=r"^--add-row: row name '\+\+' needs letters or digits"):
-        check_row_name("++", "--add-row")
+    with pytest.raises(NormplugError, match=r"^own.json: row 2: row name '\+\+' needs letters or digits"):
+        check_row_name("++", "own.json: row 2")

@@ -419,12 +419,12 @@ def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] =
         if not equals or not name:
             raise NormplugError(f"--add-row {spec!r}: write it as \"NAME=FLAGS\", e.g. "
                                 f"\"PreNorm + MyNorm=--prenorm --norm-type mynorm\"")
-        check_row_name(name, "--add-row")
         if name in names:
             raise NormplugError(f"--add-row {name!r}: the table {table.name} already has a row of that name; "
                                 f"choose another")
         if not slug(name):
             raise NormplugError(f"--add-row {name!r}: its name needs letters or digits (it names the run folder)")
+        check_row_name(name, "--add-row")  # one line of text
         if slug(name) in folders:
             raise NormplugError(f"--add-row {name!r} and the row {folders[slug(name)]!r} of {table.name} map to one "
                                 f"run folder ({slug(name)!r}): one run's result would be reported for both; "
