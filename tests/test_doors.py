@@ -113,3 +113,63 @@ def test_fairseq_train_flag_errors_are_one_line_naming_the_nearest_flag(tmp_path
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "usage:" not in err, err[:500]
         assert err.split(": error: ", 1)[1].startswith(expected.split(": error: ", 1)[1]), err
+
+
+def one_line_exit(parse, capsys) -> str:
+    """The one stderr line of a refused parse (exit status 2, no usage dump)."""
+    with pytest.raises(SystemExit) as stopped:
+        parse()
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err, err[:500]
+    return err.strip()
+
+
+def test_an_invalid_choice_is_one_line_naming_the_nearest_choice(tmp_path, capsys):
+    data = write_dictionaries(tmp_path)
+    base = [data, "--user-dir", PLUGIN, "--task", "translation_normplug", "--source-lang", "src",
+            "--target-lang", "tgt", "--arch", "transformer_normplug_tiny", "--cpu"]
+    line = one_line_exit(lambda: options.parse_args_and_arch(
+        options.get_training_parser(), input_args=base + ["--norm-placement", "sandwhich"]), capsys)
+    assert line.split(": error: ", 1)[1].startswith("argument --norm-placement: invalid choice: 'sandwhich' (choose from ")
+    assert "'sandwich'" in line.split("(choose from ", 1)[1] and line.endswith("(did you mean 'sandwich'?)"), line
+    line = one_line_exit(lambda: options.parse_args_and_arch(
+        options.get_training_parser(), input_args=base + ["--norm-type", "rmsnrom"]), capsys)
+    assert line.endswith("(did you mean 'rmsnorm'?)"), line
+    line = one_line_exit(lambda: options.parse_args_and_arch(  # nothing near: the choices, no guess
+        options.get_training_parser(), input_args=base + ["--norm-type", "qqqq"]), capsys)
+    assert "invalid choice: 'qqqq' (choose from " in line and "did you mean" not in line, line
+
+
+@pytest.mark.parametrize("door", ["generate", "interactive"])
+def test_generate_and_interactive_flag_errors_are_one_line(door, tmp_path, capsys):
+    """fairseq-generate and fairseq-interactive add no model flags: the plugin's task makes their
+    errors one line (an unknown flag, the task's own invalid choice with the nearest one)."""
+    data = write_dictionaries(tmp_path)
+    make_parser = {"generate": options.get_generation_parser,
+                   "interactive": options.get_interactive_generation_parser}[door]
+    base = [data, "--user-dir", PLUGIN, "--task", "translation_normplug", "--source-lang", "src",
+            "--target-lang", "tgt", "--path", str(tmp_path / "checkpoint.pt"), "--cpu"]
+    line = one_line_exit(lambda: options.parse_args_and_arch(make_parser(), input_args=base + ["--gnmt-alpah", "0.6"]),
+                         capsys)
+    assert line.split(": error: ", 1)[1] == (
+        "unrecognized arguments: --gnmt-alpah 0.6 (--gnmt-alpah: did you mean --gnmt-alpha?)"), line
+    line = one_line_exit(lambda: options.parse_args_and_arch(
+        make_parser(), input_args=base + ["--resume-batches", "uninterupted"]), capsys)
+    assert line.split(": error: ", 1)[1] == (
+        "argument --resume-batches: invalid choice: 'uninterupted' (choose from 'uninterrupted', 'fairseq') "
+        "(did you mean 'uninterrupted'?)"), line
+    assert options.parse_args_and_arch(make_parser(), input_args=base + ["--gnmt-alpha", "0.6"]).gnmt_alpha == 0.6
+
+
+@pytest.mark.slow
+def test_fairseq_generate_refuses_a_misspelt_flag_in_one_line(tmp_path):
+    data = write_dictionaries(tmp_path)
+    proc = subprocess.run(
+        [cli("fairseq-generate"), data, "--user-dir", PLUGIN, "--task", "translation_normplug", "--source-lang",
+         "src", "--target-lang", "tgt", "--path", str(tmp_path / "checkpoint.pt"), "--cpu", "--resume-batches",
+         "uninterupted"], cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "fairseq-generate: error: argument --resume-batches: invalid choice: 'uninterupted' (choose from "
+        "'uninterrupted', 'fairseq') (did you mean 'uninterrupted'?)"], proc.stderr[-2000:]
