@@ -16,7 +16,7 @@ metadata and value nodes, and what that metadata names (``typing.Any``, ``dict``
 
 A file the safe loader refuses, or cannot read, is one line naming the file (:func:`load_error`):
 ``refused to load PATH: it holds os.makedirs (Unsupported global), ...`` for a class outside the
-allow-list (nothing in the file ran), ``cannot read PATH as a fairseq checkpoint (RuntimeError:
+allow-list (the safe loader ran nothing in the file), ``cannot read PATH as a fairseq checkpoint (RuntimeError:
 ...)`` for a file that is not a whole torch checkpoint. torch's own message advises re-running
 with safe loading switched off; it is never passed on. :func:`safe_load` raises these, and so do
 fairseq's doors (fairseq-generate, fairseq-interactive, fairseq-train's resume, the hub) through
@@ -127,8 +127,8 @@ def load_error(path: str, error: BaseException) -> NormplugError:
     if name is not None:
         return UntrustedCheckpoint(
             f"refused to load {path}: it holds {name} (Unsupported global), which is not a tensor, a "
-            f"builtin container or a class of fairseq checkpoints; nothing in the file ran. Load only "
-            f"checkpoints you made or trust")
+            f"builtin container or a class of fairseq checkpoints; the safe loader ran nothing in the file. "
+            f"Load only checkpoints you made or trust")
     return UnreadableCheckpoint(f"cannot read {path} as a fairseq checkpoint ({_detail(error)})")
 
 

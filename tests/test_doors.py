@@ -202,8 +202,8 @@ def assert_one_line_refusal(error, path, marker):
     message = str(error)
     assert "\n" not in message and "weights_only" not in message, message
     assert message == (f"refused to load {path}: it holds os.makedirs (Unsupported global), which is not a tensor, "
-                       f"a builtin container or a class of fairseq checkpoints; nothing in the file ran. Load only "
-                       f"checkpoints you made or trust")
+                       f"a builtin container or a class of fairseq checkpoints; the safe loader ran nothing in the "
+                       f"file. Load only checkpoints you made or trust")
     assert not marker.exists()
 
 
