@@ -8,7 +8,7 @@ registers the ``transformer_normplug`` model with its presets, the ``inv_sqrt_de
 ``val_decay`` learning-rate schedulers, the ``translation_normplug`` task and the
 ``masked_label_smoothed_cross_entropy`` criterion, allow-lists the classes fairseq checkpoints
 hold so that they load under torch >= 2.6's ``weights_only`` default, and applies the plugin's
-two wrappers of fairseq functions (:mod:`fairseq_normplug.fairseq_patches`, pass-throughs
+three wrappers of fairseq functions (:mod:`fairseq_normplug.fairseq_patches`, pass-throughs
 until a model or lr scheduler asks for their effect).
 """
 from fairseq_normplug.install_plan import check_requirements

@@ -44,8 +44,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from fairseq_normplug.atomic_files import copy_atomic
-from fairseq_normplug.checkpoint_compat import safe_load
-from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.checkpoint_compat import UntrustedCheckpoint, safe_load
 from fairseq_normplug.optim.lr_scheduler.common import patience_exhausted
 
 LAST, BEST = "checkpoint_last.pt", "checkpoint_best.pt"
@@ -97,12 +96,9 @@ def read_checkpoint(path: str) -> Optional[CheckpointInfo]:
         updates = int(state["optimizer_history"][-1]["num_updates"])
         if "model" not in state:
             return None
-    except OSError:
+    except (OSError, UntrustedCheckpoint):  # the file system's own error; whole, but a refused class
         raise
-    except Exception as error:  # a cut or damaged archive or pickle: not a checkpoint to trust
-        if "Weights only load failed" in str(error):  # whole, but holds a class the safe loader refuses
-            raise NormplugError(f"{path}: not loadable with the plugin's safe loader (checkpoint_compat): "
-                                f"{str(error).splitlines()[0]}") from None
+    except Exception:  # a cut or damaged archive or pickle: not a checkpoint to trust
         return None
     extra = state.get("extra_state") or {}
     groups = (state.get("last_optimizer_state") or {}).get("param_groups") or [{}]

@@ -5,14 +5,18 @@ reads (it is handed only an argument group).
 * :func:`parse_in_progress`: its ``parser`` and ``input_args`` (a Python caller's own list, as
   fairseq's tests and notebooks pass it, else ``sys.argv[1:]``), so that ``--normplug-modules``
   is honoured wherever arguments are parsed;
-* :func:`one_line_errors`: that parser's errors as one line naming the nearest flags, without
-  argparse's usage dump (fairseq-train's is ~190 lines).
+* :func:`one_line_errors`: that parser's errors as one line naming the nearest flags (an
+  unrecognized flag) or the nearest choice (an invalid choice), without argparse's usage dump
+  (fairseq-train's is ~190 lines). The plugin installs it from the model's ``add_args``
+  (fairseq-train) and from the ``translation_normplug`` task's (also fairseq-generate and
+  fairseq-interactive, which add no model flags).
 
 Reading the caller's frame relies on the name of one local variable of fairseq's function,
 ``input_args`` and ``parser``; ``tests/test_doors.py`` fails if fairseq renames them.
 """
 import argparse
 import difflib
+import re
 import sys
 from typing import List, NamedTuple, Optional
 
@@ -46,8 +50,28 @@ def nearest_flags(parser: argparse.ArgumentParser, word: str) -> List[str]:
     return difflib.get_close_matches(flag, list(parser._option_string_actions), n=3, cutoff=0.75)
 
 
+#: argparse's message for a value outside ``choices`` (Python 3.8-3.13 quote the choices, 3.12.8+ may not)
+_INVALID_CHOICE = re.compile(r"invalid choice: '?(?P<value>.*?)'? \(choose from (?P<choices>.*)\)$")
+
+
+def nearest_choice(message: str) -> Optional[str]:
+    """The valid choice closest to the invalid one in argparse's ``invalid choice`` ``message``
+    (``'sandwhich'`` -> ``'sandwich'``), or None."""
+    found = _INVALID_CHOICE.search(message)
+    if found is None:
+        return None
+    listed = found.group("choices")
+    choices = re.findall(r"'([^']*)'", listed) or [choice.strip() for choice in listed.split(",")]
+    near = difflib.get_close_matches(found.group("value"), choices, n=1, cutoff=0.6)
+    return near[0] if near else None
+
+
 def one_line_error(parser: argparse.ArgumentParser, message: str) -> str:
-    """``PROG: error: MESSAGE`` with the nearest flags of each unrecognized argument."""
+    """``PROG: error: MESSAGE`` with the nearest flags of each unrecognized argument, or the
+    nearest valid choice of an invalid one."""
+    choice = nearest_choice(message)
+    if choice is not None:
+        return f"{parser.prog}: error: {message} (did you mean {choice!r}?)"
     prefix = "unrecognized arguments: "
     if message.startswith(prefix):
         hints = []

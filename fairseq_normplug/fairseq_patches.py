@@ -1,12 +1,12 @@
-"""The plugin's only changes to fairseq's code: two function wrappers, both applied here.
+"""The plugin's only changes to fairseq's code: three function wrappers, all applied here.
 
 Each entry of :data:`PATCHES` names the fairseq function wrapped, the fairseq function whose
 call makes the wrapper take effect, and a digest of the source of both in every fairseq
 release the plugin installs (:mod:`fairseq_normplug.install_plan`: ``fairseq==0.12.2``, and
 ``fairseq-fixed==0.12.3.1`` on Python >= 3.11). ``tests/test_fairseq_patches.py`` fails
 when the installed fairseq's source differs, so an upgrade cannot silently change what a
-wrapper relies on. :func:`install` (at plugin import, idempotent) applies both; each is a
-pass-through unless the plugin asked for its effect; :func:`uninstall` restores fairseq's
+wrapper relies on. :func:`install` (at plugin import, idempotent) applies them; each is a
+pass-through unless the plugin asked for its effect (the third: unless loading fails); :func:`uninstall` restores fairseq's
 functions. No fairseq file or class is modified.
 
 1. ``fairseq.optim._build_optimizer`` (the optimizer registry's builder): per-parameter
@@ -50,6 +50,21 @@ functions. No fairseq file or class is modified.
    task hook sees the aggregated validation metric, and wrapping ``validate_and_save``
    (which gets the trainer) would run after the checkpoint is saved, so a resumed run would
    miss the scheduler's last validation and a stop would not be saved.
+
+3. ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` (reached from
+   ``load_model_ensemble_and_task``: fairseq-generate, fairseq-interactive, the hub's
+   ``from_pretrained``; and from the trainer's resume): a checkpoint that torch's safe loader
+   refuses, or cannot read, is one line naming the file and the refused class
+   (:func:`fairseq_normplug.checkpoint_compat.load_error`, a ``NormplugError``: the plugin's
+   ``sys.excepthook`` prints it as ``fairseq-normplug: error: ...``, exit status 2) instead of
+   torch's 24-line traceback that ends advising to switch safe loading off. Only an error raised
+   inside ``torch.load`` is replaced; everything else passes through unchanged. Safe loading
+   itself is not touched.
+
+   Why not a fairseq hook. fairseq reads the file with ``torch.load`` before any task, model or
+   plugin code runs for it (the model class is only known from the loaded state), and there is
+   no loader registry. An exception hook alone sees the error too late: it cannot name the
+   file, and the hub's callers get the exception itself.
 """
 import functools
 import hashlib
@@ -63,6 +78,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from fairseq_normplug.checkpoint_compat import torch_load_error
 
 #: marks a function as one of our wrappers (so installing twice wraps once)
 _MARK = "_normplug_patch"
@@ -89,7 +106,12 @@ VALIDATIONS = Patch("fairseq_cli.train.should_stop_early", "fairseq_cli.train.va
     "0.12.2": ("4c442a0bc32021f2", "969ff015ad3972ed"),
     "0.12.3.1": ("4c442a0bc32021f2", "6eaeda1b2df16938"),
 })
-PATCHES = (PARAM_GROUPS, VALIDATIONS)
+CHECKPOINT_LOADING = Patch("fairseq.checkpoint_utils.load_checkpoint_to_cpu",
+                           "fairseq.checkpoint_utils.load_model_ensemble_and_task", {
+                               "0.12.2": ("4f169c4bf48459ab", "e6a4ab09ef84ecb5"),
+                               "0.12.3.1": ("4f169c4bf48459ab", "a579b16b0abba804"),
+                           })
+PATCHES = (PARAM_GROUPS, VALIDATIONS, CHECKPOINT_LOADING)
 
 
 def source_digest(function: Callable) -> str:
@@ -208,6 +230,22 @@ def train_modules() -> List[object]:
     return found
 
 
+# ---- 3. a refused or unreadable checkpoint in one line -----------------------------------
+
+def _load_checkpoint_to_cpu_in_one_line(original):
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return original(path, *args, **kwargs)
+        except Exception as error:
+            refusal = torch_load_error(path, error)
+            if refusal is None:
+                raise
+            raise refusal from None
+
+    return load_checkpoint_to_cpu
+
+
 # ---- install / uninstall -----------------------------------------------------------------
 
 def _wrap(module, name: str, make_wrapper) -> None:
@@ -230,28 +268,34 @@ def _install_into_train_modules() -> None:
 
 
 def install() -> None:
-    """Apply both wrappers (fairseq-train modules imported later get theirs from
+    """Apply the wrappers (fairseq-train modules imported later get theirs from
     :func:`feed_validations_to`). Idempotent."""
+    import fairseq.checkpoint_utils
     import fairseq.optim
 
     _wrap(fairseq.optim, "_build_optimizer", _build_optimizer_with_param_groups)
+    _wrap(fairseq.checkpoint_utils, "load_checkpoint_to_cpu", _load_checkpoint_to_cpu_in_one_line)
     _install_into_train_modules()
 
 
 def uninstall() -> None:
     """Put fairseq's own functions back (for tests)."""
+    import fairseq.checkpoint_utils
     import fairseq.optim
 
     _unwrap(fairseq.optim, "_build_optimizer")
+    _unwrap(fairseq.checkpoint_utils, "load_checkpoint_to_cpu")
     for module in train_modules():
         _unwrap(module, "should_stop_early")
 
 
 def installed() -> Dict[str, bool]:
     """For each loaded patch target (``PARAM_GROUPS.target``, ...), whether our wrapper is in place."""
+    import fairseq.checkpoint_utils
     import fairseq.optim
 
-    state = {PARAM_GROUPS.target: getattr(fairseq.optim._build_optimizer, _MARK, False)}
+    state = {PARAM_GROUPS.target: getattr(fairseq.optim._build_optimizer, _MARK, False),
+             CHECKPOINT_LOADING.target: getattr(fairseq.checkpoint_utils.load_checkpoint_to_cpu, _MARK, False)}
     for module in train_modules():
         state[f"{module.__name__}.should_stop_early"] = getattr(module.should_stop_early, _MARK, False)
     return state

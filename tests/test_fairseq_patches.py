@@ -1,4 +1,4 @@
-"""fairseq_normplug.fairseq_patches: the two wrapped fairseq functions are still the ones the
+"""fairseq_normplug.fairseq_patches: the three wrapped fairseq functions are still the ones the
 wrappers were written for, the wrappers are in place after plugin import (once), a
 pass-through without tags, and restorable; the param groups the optimizer wrapper builds."""
 import fairseq
@@ -28,6 +28,7 @@ def test_installed_once_and_restored():
     fairseq_patches.install()  # the train module may have been imported after the plugin
     wrapped = (fairseq.optim._build_optimizer, train_module.should_stop_early)
     assert fairseq_patches.installed() == {"fairseq.optim._build_optimizer": True,
+                                           "fairseq.checkpoint_utils.load_checkpoint_to_cpu": True,
                                            "fairseq_cli.train.should_stop_early": True}
     fairseq_patches.install()
     assert (fairseq.optim._build_optimizer, train_module.should_stop_early) == wrapped  # idempotent

@@ -9,12 +9,12 @@ from conftest import REPO
 #: lowest first. A part is a sub-package (``models``) or a top-level module (``errors``);
 #: ``__init__`` is the package itself, which registers everything with fairseq.
 LAYERS = (
-    # standard library, torch and fairseq only: errors, set-up checks, checkpoint loading,
-    # atomic file writing, the two fairseq wrappers, fairseq's argument parsing, the plugin's
-    # paths, the toy corpus
-    {"errors", "install_plan", "checkpoint_compat", "atomic_files", "fairseq_patches", "cli",
-     "fairseq_parsing", "synthetic_corpus", "resources"},
+    # standard library, torch and fairseq only: errors, set-up checks, atomic file writing,
+    # fairseq's argument parsing, the plugin's paths, the toy corpus
+    {"errors", "install_plan", "atomic_files", "cli", "fairseq_parsing", "synthetic_corpus", "resources"},
     {"numeric_flags"},            # the one check of every numeric flag (finite, in its declared range)
+    {"checkpoint_compat"},        # checkpoint loading: safe, a refusal one line (a NormplugError)
+    {"fairseq_patches"},          # the three fairseq wrappers (one passes checkpoint_compat's refusals on)
     {"extensions", "hub"},        # loading a researcher's own norms and placements; hub files beside checkpoints
     {"modules", "prepare"},       # norm layers; corpus preparation
     {"optim"},                    # lr schedules; the param group of --norm-weight-decay

@@ -325,11 +325,33 @@ def _valid_and_dev(raw):
     shutil.copy(f"{raw}/dev.en", f"{raw}/valid.en")
 
 
+def _whitespace_dev_source(raw):
+    with open(f"{raw}/dev.en", "w", encoding="utf-8") as f:
+        f.write(" \t \n" * 20)
+
+
+def _invisible_test_source(raw):
+    """11 of the 20 test source lines hold only a zero-width space, which tokenization removes."""
+    with open(f"{raw}/test.en", encoding="utf-8") as f:
+        kept = f.read().splitlines()[11:]
+    with open(f"{raw}/test.en", "w", encoding="utf-8") as f:
+        f.write("\u200b\n" * 11 + "\n".join(kept) + "\n")
+
+
+def _empty_train_target(raw):
+    with open(f"{raw}/train.de", "w", encoding="utf-8") as f:
+        f.write("\n" * 150 + "Ein Satz.\n" * 50)
+
+
 @pytest.mark.parametrize("damage, message", [
     (_mismatched, "split 'train' is not parallel: 200 lines in en, 201 lines in de"),
     (_empty_test, "split 'test' is empty"),
     (_missing_test, "lacks test.de"),
     (_valid_and_dev, "both valid and dev"),
+    (_whitespace_dev_source, "/raw/dev.en (split 'valid'): 20 of 20 lines are empty; at most 50% of a side's lines "
+                             "may be empty"),
+    (_invisible_test_source, "/raw/test.en (split 'test'): 11 of 20 lines are empty after tokenization; at most 50%"),
+    (_empty_train_target, "/raw/train.de (split 'train'): 150 of 200 lines are empty; at most 50%"),
 ])
 def test_corpus_bad_input(damage, message, tmp_path, capsys):
     raw = str(tmp_path / "raw")
@@ -339,7 +361,57 @@ def test_corpus_bad_input(damage, message, tmp_path, capsys):
     status, err = run_in_process(corpus_cli, [raw, "--src", "en", "--tgt", "de", "--dest", dest, *TINY], capsys)
     assert status == 2
     assert "prepare_corpus.sh: error: " in err and message in err, err
+    assert len([line for line in err.splitlines() if not line.startswith("[")]) == 1, err
     assert_nothing_published(dest)
+
+
+def test_mostly_empty_means_more_than_half():
+    from fairseq_normplug.prepare.pipeline import mostly_empty_problem
+
+    assert mostly_empty_problem("dev.en", "valid", 10, 20) is None  # half: kept
+    assert mostly_empty_problem("dev.en", "valid", 11, 20).startswith("dev.en (split 'valid'): 11 of 20 lines are empty")
+    assert mostly_empty_problem("dev.en", "valid", 0, 0) is None  # an empty split is refused by check_parallel
+
+
+def write_binarized(folder: str, sentences: dict) -> None:
+    """A prepared folder's bin/ (dictionaries, ``{split}.src-tgt.{lang}.bin/idx``), ref/ and
+    manifest.json; ``sentences[(split, lang)]``: token-id lists, </s> (2) appended."""
+    import numpy
+    import torch
+    from fairseq.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    os.makedirs(os.path.join(folder, "bin"))
+    os.makedirs(os.path.join(folder, "ref"))
+    for lang in ("src", "tgt"):
+        with open(os.path.join(folder, "bin", f"dict.{lang}.txt"), "w") as f:
+            f.write("".join(f"w{i} 1\n" for i in range(20)))
+    for (split, lang), lines_of_ids in sentences.items():
+        prefix = os.path.join(folder, "bin", f"{split}.src-tgt.{lang}")
+        builder = MMapIndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+        for ids in lines_of_ids:
+            builder.add_item(torch.tensor(ids + [2], dtype=torch.int32))
+        builder.finalize(prefix + ".idx")
+    with open(os.path.join(folder, "ref", "test.tok.tgt"), "w") as f:
+        f.write("w4 w5\n" * 10)
+    with open(os.path.join(folder, "manifest.json"), "w") as f:
+        json.dump({"subword_method": "subword_nmt"}, f)
+
+
+def test_preflight_reports_a_mostly_empty_prepared_split(tmp_path):
+    from fairseq_normplug.experiments.preflight import data_problems
+
+    text = [[4, 5, 6]] * 10
+    sentences = {(split, lang): text for split in SPLITS for lang in ("src", "tgt")}
+    good = str(tmp_path / "good")
+    write_binarized(good, sentences)
+    assert data_problems(good, "src-tgt") == []
+    bad = str(tmp_path / "bad")
+    write_binarized(bad, {**sentences, ("valid", "src"): [[]] * 10, ("test", "tgt"): [[]] * 6 + [[4]] * 4})
+    assert data_problems(bad, "src-tgt") == [
+        f"src-tgt: {bad}/bin/valid.src-tgt.src (split 'valid'): 10 of 10 lines are empty; at most 50% of a side's "
+        f"lines may be empty (a sentence needs text on both sides to train on or to score)",
+        f"src-tgt: {bad}/bin/test.src-tgt.tgt (split 'test'): 6 of 10 lines are empty; at most 50% of a side's "
+        f"lines may be empty (a sentence needs text on both sides to train on or to score)"]
 
 
 def test_unknown_pairs_and_missing_local_files(tmp_path, capsys):

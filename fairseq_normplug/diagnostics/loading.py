@@ -18,6 +18,7 @@ from fairseq import checkpoint_utils, tasks, utils
 from fairseq.models.transformer import TransformerModel
 from torch import nn
 
+from fairseq_normplug.checkpoint_compat import load_error
 from fairseq_normplug.cli import user_dir
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
@@ -77,10 +78,10 @@ def _read_state(path: str, data_bin: str) -> dict:
         raise NormplugError(f"no such checkpoint: {path}")
     try:
         state = checkpoint_utils.load_checkpoint_to_cpu(path, {"data": data_bin})
+    except NormplugError:  # refused or unreadable (checkpoint_compat, through fairseq's loader)
+        raise
     except Exception as error:  # torch/pickle raise many kinds on a file that is not a checkpoint
-        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        raise NormplugError(f"cannot read {path} as a fairseq checkpoint "
-                            f"({type(error).__name__}: {detail})") from None
+        raise load_error(path, error) from None
     if state.get("cfg") is None or "model" not in state:
         raise NormplugError(f"{path} is not a fairseq training checkpoint (no cfg/model in it)")
     return state

@@ -2,7 +2,8 @@
 
 :func:`check_table` checks, and says in one line per problem:
 
-* every data folder has its dictionaries, train, dev and test sets and test references, and no
+* every data folder has its dictionaries, train, dev and test sets and test references, no side
+  of a split mostly empty (preparation's rule, ``prepare.pipeline.MOSTLY_EMPTY``), and no
   dev or test sentence is longer than the positions of a row's model (fairseq would stop the
   run at its first validation, or its test decoding);
 * every row's training command is built (recipe, schedule, tokens per update, a ``--lr`` its
@@ -40,6 +41,7 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.tables import results_owner_problem
 from fairseq_normplug.experiments.runner import Run, last_flag_value, plan_summary, subword_method, training_plan
+from fairseq_normplug.prepare.pipeline import SPLITS, mostly_empty_problem
 
 #: updates of each configuration's short training
 UPDATES = 4
@@ -102,6 +104,8 @@ def data_problems(data_dir: str, pair: str) -> List[str]:
     if missing:
         problems.append(f"{pair}: {data_dir} lacks {', '.join(missing)} (prepare it with scripts/prepare_*.sh, "
                         f"docs/data.md)")
+    else:
+        problems += empty_sentence_problems(data_dir, pair)
     try:
         subword_method(data_dir)
     except NormplugError as error:
@@ -117,6 +121,21 @@ def sentence_lengths(data_dir: str, pair: str, split: str, lang: str):
     src, tgt = pair.split("-")
     dataset = data_utils.load_indexed_dataset(os.path.join(data_dir, "bin", f"{split}.{src}-{tgt}.{lang}"), None)
     return [int(size) for size in dataset.sizes]  # a copy: the sizes are a view of the file, closed with it
+
+
+def empty_sentence_problems(data_dir: str, pair: str) -> List[str]:
+    """Preparation's rule on a prepared folder: one line per side of a split whose binarized
+    sentences are mostly empty (only </s>; :func:`~fairseq_normplug.prepare.pipeline.mostly_empty_problem`)."""
+    src, tgt = pair.split("-")
+    problems = []
+    for split in SPLITS:
+        for lang in (src, tgt):
+            sizes = sentence_lengths(data_dir, pair, split, lang)
+            what = os.path.join(data_dir, "bin", f"{split}.{src}-{tgt}.{lang}")
+            problem = mostly_empty_problem(what, split, sum(size <= 1 for size in sizes), len(sizes))
+            if problem:
+                problems.append(f"{pair}: {problem}")
+    return problems
 
 
 def parse_train_command(command: Sequence[str]):

@@ -89,7 +89,7 @@ def main(argv) -> None:
     corpus = pipeline.Corpus(
         name=corpus_name(args.raw_dir), src=args.src, tgt=args.tgt, write_raw=write_raw,
         tokenization={split: steps for split in pipeline.SPLITS},
-        recipe={"raw_dir": os.path.abspath(args.raw_dir)},
+        recipe={"raw_dir": os.path.abspath(args.raw_dir)}, source_files=files,
     )
     pipeline.prepare(corpus, options, log)
 

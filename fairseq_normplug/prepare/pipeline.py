@@ -27,19 +27,24 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.prepare import bpe as bpe_methods
 from fairseq_normplug.prepare.cli import DATA_ROOT, Log
 from fairseq_normplug.prepare.text import (
-    MosesSteps, count_lines, detokenizer_factory, filter_pairs, map_lines, tokenizer_factory,
+    MosesSteps, count_lines, detokenizer_factory, filter_pairs, map_lines, read_lines, tokenizer_factory,
 )
 
 SPLITS = ("train", "valid", "test")
 EVAL_SPLITS = ("valid", "test")
+#: a side of a split is refused when more than this share of its lines is empty (white space
+#: only, or nothing left after tokenization): an empty source has nothing to translate, an empty
+#: target nothing to learn or score, and more than half empty means the wrong file, not a few
+#: missing sentences. A few empty lines are kept (the train filter drops them from train).
+MOSTLY_EMPTY = 0.5
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 2  # 2: explicit subword_method
 
@@ -60,6 +65,8 @@ class Corpus:
     write_raw: Callable[[str], dict]
     tokenization: Dict[str, Optional[MosesSteps]]
     recipe: dict  # corpus-specific choices that shape the output (besides the common ones)
+    #: the user's file behind each ``raw/`` file, ``{(split, lang): path}``, to name in errors
+    source_files: Dict[Tuple[str, str], str] = field(default_factory=dict)
 
 
 @dataclass
@@ -220,7 +227,9 @@ def _build(corpus: Corpus, options: Options, recipe: dict, root: str, log: Log) 
     log("writing raw text")
     source = corpus.write_raw(stage.dir("raw"))
     counts["raw"] = check_parallel(stage.dir("raw"), src, tgt)
+    check_not_mostly_empty(stage.dir("raw"), corpus)
     commands += _tokenize(corpus, stage, options.workers, log)
+    check_not_mostly_empty(stage.dir("tok"), corpus, " after tokenization")
     commands += _write_references(corpus, stage, options.workers, log)
     kept, dropped, command = _filter_train(stage, src, tgt, options, log)
     commands.append(command)
@@ -347,6 +356,32 @@ def check_parallel(folder: str, src: str, tgt: str) -> Dict[str, int]:
             raise NormplugError(f"split '{split}' is empty")
         counts[split] = n_src
     return counts
+
+
+def mostly_empty_problem(what: str, split: str, empty: int, total: int, after: str = "") -> Optional[str]:
+    """One line when more than :data:`MOSTLY_EMPTY` of the ``total`` lines of ``what`` (one side
+    of ``split``: a file) are empty, else None."""
+    if total == 0 or empty <= MOSTLY_EMPTY * total:
+        return None
+    return (f"{what} (split '{split}'): {empty} of {total} lines are empty{after}; at most "
+            f"{MOSTLY_EMPTY:.0%} of a side's lines may be empty (a sentence needs text on both sides "
+            f"to train on or to score)")
+
+
+def check_not_mostly_empty(folder: str, corpus: Corpus, after: str = "") -> None:
+    """Refuse (:func:`mostly_empty_problem`) a side of a split of ``folder`` (raw/ or tok/) that
+    is mostly empty, naming the user's file (``corpus.source_files``) where there is one."""
+    for split in SPLITS:
+        for lang in (corpus.src, corpus.tgt):
+            path = os.path.join(folder, f"{split}.{lang}")
+            total = empty = 0
+            for line in read_lines(path):
+                total += 1
+                empty += not line.strip()
+            what = corpus.source_files.get((split, lang), f"the {corpus.name} corpus's {split}.{lang}")
+            problem = mostly_empty_problem(what, split, empty, total, after)
+            if problem:
+                raise NormplugError(problem)
 
 
 def _binarized_sizes(bin_dir: str, src: str, tgt: str) -> Dict[str, int]:

@@ -47,6 +47,7 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from omegaconf import II
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.fairseq_parsing import one_line_errors, parse_in_progress
 from fairseq_normplug.models.placements.ngpt import normalize_matrices
 from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator
 from fairseq_normplug.tasks.gnmt_search import GnmtBeamSearchGenerator
@@ -135,6 +136,13 @@ def _rank() -> int:
 class TranslationNormplugTask(TranslationTask):
     """fairseq's translation task with word dropout, GNMT length normalisation or the authors'
     beam search, and the per-sentence decoding length cap."""
+
+    @classmethod
+    def add_args(cls, parser):
+        """The task's flags (its dataclass); fairseq's parser errors become one line, the nearest
+        flag or choice named (fairseq-generate and fairseq-interactive add no model flags)."""
+        one_line_errors(parse_in_progress().parser)
+        super().add_args(parser)
 
     @classmethod
     def setup_task(cls, cfg, **kwargs):
