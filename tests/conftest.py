@@ -50,8 +50,8 @@ def pytest_configure(config):
 #: the files that take longest (measured on 2 cores, longest first): collected first, so that the
 #: parallel workers of scripts/test.sh (pytest-xdist, one file per worker at a time) start them
 #: first and finish together instead of one worker ending the run alone
-SLOW_FILES = ("test_cli.py", "test_prepare.py", "test_trust.py", "test_fast_norms.py", "test_experiments.py",
-              "test_launchers.py", "test_gpu_check.py", "test_kill_rerun.py", "test_diagnostics.py",
+SLOW_FILES = ("test_cli.py", "test_prepare.py", "test_trust.py", "test_one_owner.py", "test_fast_norms.py",
+              "test_experiments.py", "test_launchers.py", "test_gpu_check.py", "test_kill_rerun.py", "test_diagnostics.py",
               "test_lr_schedulers_cli.py", "test_wheel.py", "test_hub.py", "test_entry_points.py", "test_demo.py",
               "test_precision.py", "test_beyond.py", "test_cpu_converge.py", "test_figures.py", "test_placements.py",
               "test_admin.py",

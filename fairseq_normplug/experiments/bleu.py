@@ -296,6 +296,17 @@ def _sentence_statistics(metric: Metric, by_seed: Sequence[Sequence[str]], refs:
     return [[sum(values) for values in zip(*sentence)] for sentence in zip(*per_seed)]
 
 
+def _check_bootstrap_inputs(baseline_by_seed: Sequence[Sequence[str]], system_by_seed: Sequence[Sequence[str]],
+                            refs: Sequence[str], seed: int) -> None:
+    """Every seed's hypotheses of both rows parallel to ``refs``, and a positive RNG seed."""
+    for hyps in baseline_by_seed:
+        _check_parallel(hyps, refs, "baseline hypotheses")
+    for hyps in system_by_seed:
+        _check_parallel(hyps, refs, "system hypotheses")
+    if seed <= 0:
+        raise NormplugError(f"bootstrap seed must be a positive integer, got {seed}")
+
+
 def paired_bootstrap_seeds(baseline_by_seed: Sequence[Sequence[str]], system_by_seed: Sequence[Sequence[str]],
                            refs: Sequence[str], n_samples: int = 1000, seed: int = 12345,
                            metric: str = "tokenized_bleu") -> BootstrapResult:
@@ -312,11 +323,7 @@ def paired_bootstrap_seeds(baseline_by_seed: Sequence[Sequence[str]], system_by_
     if not system_by_seed or len(baseline_by_seed) != len(system_by_seed):
         raise NormplugError(f"paired bootstrap over seeds needs the same number (>= 1) of baseline and "
                             f"system seeds, got {len(baseline_by_seed)} and {len(system_by_seed)}")
-    for baseline_hyps, system_hyps in zip(baseline_by_seed, system_by_seed):
-        _check_parallel(baseline_hyps, refs, "baseline hypotheses")
-        _check_parallel(system_hyps, refs, "system hypotheses")
-    if seed <= 0:
-        raise NormplugError(f"bootstrap seed must be a positive integer, got {seed}")
+    _check_bootstrap_inputs(baseline_by_seed, system_by_seed, refs, seed)
     scorer = _scorer(metric)
     bleu = scorer.metric()
     refs = scorer.prepare(refs)
@@ -400,12 +407,7 @@ def seed_aware_bootstrap(baseline_by_seed: Sequence[Sequence[str]], system_by_se
     if not baseline_by_seed or not system_by_seed:
         raise NormplugError(f"seed-aware bootstrap needs >= 1 seed of each row, got {len(baseline_by_seed)} "
                             f"baseline and {len(system_by_seed)} system seeds")
-    for hyps in baseline_by_seed:
-        _check_parallel(hyps, refs, "baseline hypotheses")
-    for hyps in system_by_seed:
-        _check_parallel(hyps, refs, "system hypotheses")
-    if seed <= 0:
-        raise NormplugError(f"bootstrap seed must be a positive integer, got {seed}")
+    _check_bootstrap_inputs(baseline_by_seed, system_by_seed, refs, seed)
     if n_samples < 40:
         raise NormplugError(f"seed-aware bootstrap needs n_samples >= 40 for a 95% interval, got {n_samples}")
     scorer = _scorer(metric)
