@@ -137,7 +137,7 @@ def test_parameter_counts(norm_type, count):
 
 def test_registry_types_and_roles():
     assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "dyisru", "seednorm", "identity",
-                               "tapernorm", "layernorm-fixed-std"}
+                               "tapernorm", "layernorm-fixed-std", "bhyt"}
     assert isinstance(build_norm(norm_args(), D), type(LayerNorm(D)))
     attention, ffn_slot = NormSlot(ATTENTION), NormSlot(FFN)
     dyt = norm_args("dyt", dyt_alpha_init=0.2, dyt_attn_alpha_init=0.8, dyt_freeze_alpha=True)

@@ -295,7 +295,7 @@ def scale_init(value: Optional[ScaleInit], make: Callable[[Optional[float]], nn.
 #: the built-in norm types, one module each (its registration sits in that file); adding a
 #: built-in is one file plus one line here
 BUILTIN_NORM_MODULES = ("layer_norm_1p", "scale_norm", "rms_norm", "dynamic_tanh", "derf", "dyisru", "seed_norm",
-                        "identity_norm", "taper_norm", "fixed_std_layer_norm")
+                        "identity_norm", "taper_norm", "fixed_std_layer_norm", "bhyt")
 
 
 def _register_builtins() -> None:
