@@ -10,7 +10,7 @@ from fairseq.modules import MultiheadAttention
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import PLACEMENTS
-from fairseq_normplug.models.placements.gated_attention import GatedOutputProjection
+from fairseq_normplug.models.placements.gated_attention import gate_out_proj_input
 from model_helpers import build, incremental_and_full, randomized, toy_batch
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
@@ -41,7 +41,7 @@ def test_every_attention_gets_a_gate_and_the_flag_off_gets_none(tiny_bin):
                                            "dec0.encoder_attn", "dec1.self_attn", "dec1.encoder_attn"]
     for _, attn in found:
         assert tuple(attn.gate_proj.weight.shape) == (64, 64) and attn.gate_proj.bias is not None
-        assert type(attn.out_proj) is GatedOutputProjection and attn.skip_embed_dim_check
+        assert gate_out_proj_input in attn.out_proj._forward_pre_hooks.values() and attn.skip_embed_dim_check
     plain, _, _ = build(tiny_bin, TINY)
     for _, attn in attentions(plain):
         assert type(attn) is MultiheadAttention and not hasattr(attn, "gate_proj")
@@ -145,6 +145,19 @@ def test_composes_with_every_placement(tiny_bin, placement):
     steps, full = incremental_and_full(randomized(model, seed=1), task)
     assert torch.isfinite(full).all()
     assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
+
+
+@pytest.mark.parametrize("flags", [["--prenorm", "--normformer"], ["--prenorm", "--layernorm-scaling"],
+                                   ["--prenorm", "--gpas"], ["--residual-scale", "deepnorm", "--gpas"],
+                                   ["--prenorm", "--qknorm", "--qknorm-g0", "4"],
+                                   ["--prenorm", "--residual-scale", "layerscale"]])
+def test_composes_with_the_other_modifiers(tiny_bin, flags):
+    model, task, _ = build(tiny_bin, TINY, "--gated-attention", *flags)
+    steps, full = incremental_and_full(randomized(model, seed=1), task)
+    assert torch.isfinite(full).all()
+    assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
+    grads = one_backward(model, task)
+    assert all(grad is not None and torch.isfinite(grad).all() for grad in grads.values())
 
 
 @pytest.mark.parametrize("norm_type", ["rmsnorm", "dyt", "identity"])

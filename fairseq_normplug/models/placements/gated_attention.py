@@ -22,8 +22,8 @@ has one, as the authors' gate shares ``q_proj``'s bias; initialised like fairseq
   decoder-only; gating the cross-attention from its query is the same formula, one head at a time).
 
 The gate depends on the current position's query only, so incremental decoding is unchanged:
-fairseq's key/value caches hold no gate. The product sits in front of ``out_proj`` (its
-input is fairseq's heads concatenated in head order, which is the authors' per-head layout),
+fairseq's key/value caches hold no gate. The product sits in front of ``out_proj`` (a forward
+pre-hook; its input is fairseq's heads concatenated in head order, the authors' per-head layout),
 and every call takes fairseq's own attention path (``_set_skip_embed_dim_check``: the fast
 paths ``F.multi_head_attention_forward`` and xFormers apply ``out_proj``'s weight themselves).
 It composes with every placement and norm type; refused: ``--ngpt`` (nGPT renormalises every
@@ -42,16 +42,13 @@ def gated(attention_output: Tensor, gate_logits: Tensor) -> Tensor:
     return attention_output * torch.sigmoid(gate_logits)
 
 
-class GatedOutputProjection(nn.Linear):
-    """fairseq's ``out_proj`` (same parameters and names) applied to its input times the gate
-    that the owning attention set for this call (``gate_logits``)."""
-
-    gate_logits = None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.gate_logits is None:
-            raise RuntimeError("gated attention: out_proj called outside its attention's forward")
-        return super().forward(gated(x, self.gate_logits))
+def gate_out_proj_input(out_proj: nn.Module, inputs):
+    """Forward pre-hook of ``out_proj``: its input (the heads concatenated) times the gate that
+    the owning attention set for this call (``out_proj.gate_logits``). A hook, not a new class,
+    so it composes with any ``out_proj`` (NormFormer's head scales, fairseq's quant-noise)."""
+    if out_proj.gate_logits is None:
+        raise RuntimeError("gated attention: out_proj called outside its attention's forward")
+    return (gated(inputs[0], out_proj.gate_logits), *inputs[1:])
 
 
 class GatedAttentionMixin:
@@ -82,7 +79,8 @@ def install_gate(attention: nn.Module) -> None:
     nn.init.xavier_uniform_(attention.gate_proj.weight, gain=1 / math.sqrt(2))  # fairseq's q_proj init
     if attention.gate_proj.bias is not None:
         nn.init.zeros_(attention.gate_proj.bias)
-    attention.out_proj.__class__ = GatedOutputProjection
+    attention.out_proj.gate_logits = None
+    attention.out_proj.register_forward_pre_hook(gate_out_proj_input)
     attention.__class__ = _gated_class(type(attention))
     attention._set_skip_embed_dim_check()
 
