@@ -11,7 +11,8 @@ from fairseq.modules import MultiheadAttention
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.gated_attention import gate_out_proj_input
-from model_helpers import build, incremental_and_full, randomized, toy_batch
+from fairseq_normplug.modules.norm_registry import NORM_TYPES
+from model_helpers import build, incremental_and_full, norm_type_flags, randomized, toy_batch
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
 TINY = "transformer_normplug_tiny"
@@ -160,9 +161,11 @@ def test_composes_with_the_other_modifiers(tiny_bin, flags):
     assert all(grad is not None and torch.isfinite(grad).all() for grad in grads.values())
 
 
-@pytest.mark.parametrize("norm_type", ["rmsnorm", "dyt", "identity"])
-def test_composes_with_norm_types(tiny_bin, norm_type):
-    model, task, _ = build(tiny_bin, TINY, "--gated-attention", "--prenorm", "--norm-type", norm_type)
+@pytest.mark.parametrize("norm_type", list(NORM_TYPES))
+def test_composes_with_every_norm_type(tiny_bin, norm_type):
+    model, task, _ = build(tiny_bin, TINY, "--gated-attention", "--prenorm", *norm_type_flags(norm_type))
+    steps, full = incremental_and_full(randomized(model, seed=1), task)
+    assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
     grads = one_backward(model, task)
     assert all(grad is not None and torch.isfinite(grad).all() for grad in grads.values())
 
