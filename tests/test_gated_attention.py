@@ -183,3 +183,14 @@ def test_refusals_are_one_line(tiny_bin, flags, task, message):
 
 def test_the_design_file_imports_only_the_public_interface():
     test_the_2024_2026_designs_import_only_the_public_interface("models/placements/gated_attention.py")
+
+
+def test_bf16_model_is_finite_and_close_to_float32(tiny_bin):
+    model, task, _ = build(tiny_bin, TINY, "--gated-attention")
+    randomized(model).eval()
+    src, lengths, prev = toy_batch(task)
+    with torch.no_grad():
+        full = model(src, lengths, prev)[0]
+        half = model.to(torch.bfloat16)(src, lengths, prev)[0]
+    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
+    assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
