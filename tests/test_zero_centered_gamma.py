@@ -22,7 +22,7 @@ from fairseq_normplug.modules import fused
 from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.layer_norm_1p import LayerNorm1p
 from fairseq_normplug.modules.norm_base import effective_gain
-from fairseq_normplug.modules.norm_registry import NORM_TYPES, build_norm, norm_args
+from fairseq_normplug.modules.norm_registry import NORM_TYPES, build_norm, norm_args, zero_centered_gamma_types
 from fairseq_normplug.modules.norm_stats import norm_scale_stats
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from model_helpers import build, parse_args, toy_batch
@@ -205,7 +205,10 @@ def test_refused_norm_types_give_one_line_errors_before_data_is_read(tmp_path, n
         parse_args(str(tmp_path / "no-such-data"), TINY, *flags, "--zero-centered-gamma")
     text = str(error.value)
     assert message in text and "\n" not in text
-    assert text.endswith("it applies to layernorm, rmsnorm, dyt, derf, dyisru, seednorm")
+    applies = text.rsplit("it applies to ", 1)[1].split(", ")
+    assert applies == list(zero_centered_gamma_types())  # the registry's list, whatever is registered
+    assert {"layernorm", "rmsnorm", "dyt", "derf", "dyisru", "seednorm"} <= set(applies)
+    assert norm_type not in applies
     with pytest.raises(NormplugError, match="--zero-centered-gamma cannot be used"):
         make(norm_type, 8, True)
 
