@@ -53,14 +53,6 @@ def test_seednorm_is_the_papers_equation(heads):
     assert torch.allclose(norm(x), expected, atol=1e-12)
 
 
-def test_seednorm_zero_centered_gamma_applies_one_plus_gamma():
-    plain = build_norm(norm_args("seednorm"), D)
-    centered = build_norm(norm_args("seednorm", zero_centered_gamma=True), D)
-    assert torch.equal(centered.weight, torch.zeros(D))
-    x = torch.randn(3, D)
-    assert torch.allclose(centered(x), plain(x))
-
-
 def test_seednorm_bf16_backward_is_finite_with_float32_statistics():
     torch.manual_seed(0)
     norm = build_norm(norm_args("seednorm", seednorm_heads=2), D)

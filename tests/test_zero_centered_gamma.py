@@ -88,6 +88,17 @@ def test_hand_numbers_of_layernorm_1p_and_rmsnorm():
     assert rms(x).tolist()[0] == pytest.approx([1.5 * r, 0.75 * 3 * r], rel=1e-6)
 
 
+@pytest.mark.parametrize("norm_type", zero_centered_gamma_types())
+def test_every_gain_norm_type_starts_equal_to_its_stock_form(norm_type):
+    """Every registered norm type with a per-channel gain (researchers' and the 2024-2026 designs
+    included): gamma starts at 0 and the zero-centred norm then computes what the stock one does."""
+    plain = build_norm(norm_args(norm_type), 16)
+    centered = build_norm(norm_args(norm_type, zero_centered_gamma=True), 16)
+    assert torch.equal(centered.weight, torch.zeros(16))
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(centered(x), plain(x))
+
+
 @pytest.mark.parametrize("norm_type", SUPPORTED)
 def test_formula_and_equivalence_with_a_stock_gain_of_one_plus_gamma(norm_type):
     """The zero-centred norm computes its equation with gain 1 + gamma (forward and, for the
