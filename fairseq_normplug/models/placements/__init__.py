@@ -1,6 +1,6 @@
 """Where the norms of a Transformer layer sit and how its residuals add up (``--norm-placement``),
 and the modifiers on top of a placement (``--normformer``, ``--layernorm-scaling``, ``--gpas``,
-``--gated-attention``).
+``--gated-attention``, ``--value-residual``).
 
 Each placement and modifier is one class in one file here, registered by name with
 :func:`register_placement` / :func:`register_modifier` (``base.py`` documents the interface:
@@ -21,6 +21,7 @@ from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b
 from fairseq_normplug.models.placements import siamese, output_norm, hyper_connections  # noqa: F401,E402
 from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt, gpas  # noqa: F401,E402
 from fairseq_normplug.models.placements import gated_attention  # noqa: F401,E402
+from fairseq_normplug.models.placements import value_residual  # noqa: F401,E402
 
 
 def placement_label(name: str, modifiers=()) -> str:
