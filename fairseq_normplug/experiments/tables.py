@@ -54,6 +54,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.portable_paths import default_roots, to_portable
+from fairseq_normplug.models.norm_types_per_layer import spec_label
 from fairseq_normplug.models.placements import MODIFIERS, placement_label
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.resources import CONFIG_DIR
@@ -92,7 +93,8 @@ DEFAULT_METRIC = "tokenized_bleu"
 CONFIGURATION_KEYS = {
     "placement": "the registered placement's label (postnorm, prenorm, sandwich, ...) with +modifier per "
                  "modifier flag (prenorm+normformer)",
-    "norm": "--norm-type, or a registered shorthand (--scalenorm / --rmsnorm / --dyt); layernorm by default",
+    "norm": "--norm-type, or a registered shorthand (--scalenorm / --rmsnorm / --dyt); layernorm by default; "
+            "with --norm-types-per-layer SPEC followed by +per-layer(SPEC)",
     "fixnorm": "true with --fixnorm",
     "qknorm": "true with --qknorm",
     "init": "--weight-init, or smallinit with --smallinit; fairseq by default",
@@ -272,6 +274,8 @@ def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
     if norm is None:
         norm = next((name for name, norm_type in NORM_TYPES.items() if norm_type.shorthand and f"--{name}" in flags),
                     "layernorm")
+    if isinstance(flags.get("--norm-types-per-layer"), str):
+        norm = f"{norm}+{spec_label(flags['--norm-types-per-layer'])}"
     init = flags.get("--weight-init") or ("smallinit" if "--smallinit" in flags else "fairseq")
     encoder, decoder = flags.get("--encoder-layers"), flags.get("--decoder-layers")
     try:

@@ -12,6 +12,8 @@ from typing import Dict, Iterator, Tuple
 
 from torch import nn
 
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_types_per_layer import norm_choice, parse_norm_types_per_layer, site_args
 from fairseq_normplug.models.placements import layer_norm_slots
 from fairseq_normplug.modules.norm_registry import FFN, FINAL, NormSlot, build_norm
 
@@ -64,14 +66,27 @@ def output_norm(model) -> nn.Module:
 
 def install_norms(model, args) -> None:
     """Replace every norm of ``model`` by one of the registered type ``args.norm_type``
-    (``modules/norm_registry.py``; no-op for fairseq's own layernorm, which is built already)."""
-    if args.norm_type == "layernorm" and not args.zero_centered_gamma:  # else LayerNorm1p
+    (``modules/norm_registry.py``; fairseq's own layernorm, built already, is kept), or the
+    type (and scale init) ``--norm-types-per-layer`` names for that norm
+    (``models/norm_types_per_layer.py``); an entry that selects no norm of the model is refused."""
+    entries = parse_norm_types_per_layer(getattr(args, "norm_types_per_layer", None))
+    if args.norm_type == "layernorm" and not args.zero_centered_gamma and not entries:  # else LayerNorm1p
         return
     feeding_output = output_norm(model)
+    used = set()
     for owner, attr, role, name in list(norm_slots(model)):
+        entry = norm_choice(entries, name)
+        used.add(entry)
+        site = args if entry is None else site_args(args, entry.norm_type, entry.scale_init)
+        if site.norm_type == "layernorm" and not args.zero_centered_gamma:
+            continue  # fairseq's own LayerNorm, as built
         old = getattr(owner, attr)
         dim = old.normalized_shape[-1]
-        setattr(owner, attr, build_norm(args, dim, NormSlot(role, old is feeding_output, name)))
+        setattr(owner, attr, build_norm(site, dim, NormSlot(role, old is feeding_output, name)))
+    unused = [entry.text for entry in entries if entry not in used]
+    if unused:
+        raise NormplugError(f"--norm-types-per-layer entry {unused[0]!r} selects no norm of this model "
+                            f"(its norms: {', '.join(named_norms(model))})")
 
 
 def named_norms(model) -> Dict[str, nn.Module]:

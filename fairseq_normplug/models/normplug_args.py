@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.extensions import LOADED, load_extensions, needed_sources
 from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
+from fairseq_normplug.models.norm_types_per_layer import (EXAMPLE, check_norm_types_per_layer, named_norm_types,
+                                                          norm_type_sources)
 from fairseq_normplug.models.placement_args import add_placement_args, resolve_placement_args
 from fairseq_normplug.models.placements.layers import LayerPlan
 from fairseq_normplug.numeric_flags import check_number_flags, number_flag
@@ -32,6 +34,7 @@ DEFAULTS = {
     "smallinit": False,
     "norm_stats_interval": 0,
     "normplug_modules": None,
+    "norm_types_per_layer": None,
 }
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,11 @@ def add_normplug_args(parser) -> None:
              "loaded before the model's arguments are parsed and recorded in the checkpoint "
              "(docs/extending.md)")
     add_norm_type_args(add, group)
+    add("--norm-types-per-layer", metavar="SPEC",
+        help=f"a norm type per layer or per norm site, overriding --norm-type where named: comma-separated "
+             f"STACK.LAYERS[.SITE]=TYPE[:INIT] (STACK enc/dec, LAYERS N, A-B or *, SITE a norm's logged name "
+             f"such as attn/cross/ffn; STACK.final / STACK.embed; INIT the scale init of a type with one), "
+             f"later entries win, e.g. {EXAMPLE} (docs/beyond.md)")
     add_output_layer_args(add)
     add_beyond_args(add)
     add_placement_args(group)
@@ -146,10 +154,11 @@ def resolve_normplug_args(args) -> NormplugSettings:
     fill_normplug_defaults(args)
     load_extensions(args.normplug_modules)  # the checkpoint's or the command line's own norms/placements
     check_numeric_flags(args)  # finite and in range, before any combination is judged
-    norm = resolve_norm_type(args)  # --norm-type, its shorthands, its own flags and refusals
+    per_layer_types = named_norm_types(args)  # --norm-types-per-layer's form: one line if malformed
+    norm = resolve_norm_type(args, also_used=per_layer_types)  # --norm-type, its shorthands, flags, refusals
     norm_type = norm.name
     layer_plan = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
-    record_extensions(args, [norm.source, *layer_plan.sources])
+    record_extensions(args, [norm.source, *norm_type_sources(args), *layer_plan.sources])
     prenorm = layer_plan.placement.name == "pre"
 
     weight_init_given = args.weight_init not in (None, "fairseq") or args.smallinit
@@ -170,6 +179,7 @@ def resolve_normplug_args(args) -> NormplugSettings:
                  f"(got {getattr(args, 'adaptive_softmax_cutoff', None)})")
 
     beyond = resolve_beyond_args(args, norm_type, layer_plan.placement, weight_init_given)
+    check_norm_types_per_layer(args, layer_plan, beyond.residual_scale, weight_init)
     output = resolve_output_layer_args(args)
 
     return NormplugSettings(prenorm=prenorm, norm=norm, fixnorm=args.fixnorm,

@@ -177,10 +177,11 @@ def norm_flag_defaults() -> Dict[str, object]:
     return defaults
 
 
-def resolve_norm_type(args) -> NormType:
+def resolve_norm_type(args, also_used: Sequence[str] = ()) -> NormType:
     """The norm type chosen by ``--norm-type`` or a shorthand (layernorm by default), with its
-    refusals: two types at once, another type's flag, ``--zero-centered-gamma`` without a gain,
-    then the type's own ``check_args``. Writes the name back to ``args.norm_type``."""
+    refusals: two types at once, another type's flag (a type in ``also_used``, which
+    ``--norm-types-per-layer`` names, may get its flags), ``--zero-centered-gamma`` without a
+    gain, then the type's own ``check_args``. Writes the name back to ``args.norm_type``."""
     for dest, default in norm_flag_defaults().items():
         if getattr(args, dest, None) is None:
             setattr(args, dest, default)
@@ -196,7 +197,8 @@ def resolve_norm_type(args) -> NormType:
     args.norm_type = norm.name
     for other in NORM_TYPES.values():
         given = [dest for dest, default in other.defaults.items()
-                 if other is not norm and getattr(args, dest, default) not in (None, False, default)]
+                 if other is not norm and other.name not in also_used
+                 and getattr(args, dest, default) not in (None, False, default)]
         if given:
             shorthand = f" (or {flag(other.name)})" if other.shorthand else ""
             raise NormplugError(f"{flag(given[0])} needs --norm-type {other.name}{shorthand}, "
