@@ -144,8 +144,8 @@ def parse_norm_types_per_layer(spec: Optional[str]) -> Tuple[NormTypeEntry, ...]
 
 def named_norm_types(args) -> Tuple[str, ...]:
     """The norm types ``args.norm_types_per_layer`` names (parsed; malformed: one line)."""
-    return tuple(dict.fromkeys(e.norm_type for e in parse_norm_types_per_layer(getattr(args, "norm_types_per_layer",
-                                                                                        None))))
+    entries = parse_norm_types_per_layer(getattr(args, "norm_types_per_layer", None))
+    return tuple(dict.fromkeys(entry.norm_type for entry in entries))
 
 
 class SiteArgs:
