@@ -21,6 +21,7 @@ from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b
 from fairseq_normplug.models.placements import siamese, output_norm, hyper_connections  # noqa: F401,E402
 from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt, gpas  # noqa: F401,E402
 from fairseq_normplug.models.placements import gated_attention  # noqa: F401,E402
+from fairseq_normplug.models.placements import sigma_reparam  # noqa: F401,E402
 
 
 def placement_label(name: str, modifiers=()) -> str:
