@@ -3,6 +3,9 @@ fairseq's parser on the tiny preset, the plain model at init, finite, incrementa
 to the full forward, every parameter trained, the authors' ``DWAModules`` (a transcription of
 epfml/DenseFormer ``denseformer/denseformer.py``) on the same blocks and weights, composition and
 refusals."""
+import copy
+import math
+
 import pytest
 import torch
 
@@ -13,6 +16,7 @@ from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full,
                            norm_type_flags, randomized, toy_batch)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
+from test_sigma_reparam import train_and_generate
 
 TINY = "transformer_normplug_tiny"
 COMPOSING = [name for name in PLACEMENTS if name not in MULTI_STREAM_PLACEMENTS]
@@ -261,3 +265,28 @@ def test_bf16_model_is_finite_and_close_to_float32(tiny_bin):
     model.train()
     model(src, lengths, prev)[0].float().pow(2).mean().backward()
     assert all(torch.isfinite(alpha.grad).all() for alpha in model.decoder.denseformer.alphas)
+
+
+def test_fairseq_train_logs_norm_stats_saves_and_generates(tiny_bin, tmp_path):
+    records, hypotheses, state = train_and_generate(tiny_bin, str(tmp_path), ["--prenorm", "--denseformer"])
+    assert len(records) == 2 and all(math.isfinite(float(r["loss"])) for r in records)
+    assert "in_std:enc1.ffn" in records[-1]
+    assert len(hypotheses) == 100
+    for stack in ("encoder", "decoder"):
+        alpha = state[f"{stack}.denseformer.alphas.1"]
+        assert alpha.shape == (3,) and not torch.equal(alpha, torch.tensor([0.0, 0.0, 1.0]))  # trained
+
+
+def test_a_deep_copy_averages_with_its_own_weights(tiny_bin):
+    """fairseq's EMA and checkpoint averaging copy the model: the copy's hooks use the copy's weights."""
+    model, task, _ = build(tiny_bin, TINY, "--denseformer")
+    randomize_alphas(randomized(model, seed=1)).eval()
+    twin = copy.deepcopy(model)
+    src, lengths, prev = toy_batch(task)
+    with torch.no_grad():
+        before = model(src, lengths, prev)[0]
+        assert torch.equal(twin(src, lengths, prev)[0], before)
+        for alpha in twin.decoder.denseformer.alphas:
+            alpha.mul_(-1.0)
+        assert torch.equal(model(src, lengths, prev)[0], before)
+        assert not torch.allclose(twin(src, lengths, prev)[0], before, atol=1e-3)

@@ -2,6 +2,8 @@
 parser on the tiny preset, each layer equal to the paper's equation LN_1(alpha x + F(LN_2(x)))
 written out, alpha = L by default and ``--keel-alpha``, finite, incremental decoding equal to the
 full forward, every parameter trained, norm slots, composition and refusals."""
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from fairseq_normplug.modules.norm_registry import NORM_TYPES, norm_type_of
 from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full,
                            norm_type_flags, randomized, toy_batch)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
+from test_sigma_reparam import train_and_generate
 
 TINY = "transformer_normplug_tiny"
 KEEL = ("--norm-placement", "keel")
@@ -157,3 +160,11 @@ def test_bf16_model_is_finite_and_close_to_float32(tiny_bin):
         half = model.to(torch.bfloat16)(src, lengths, prev)[0]
     assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
     assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
+
+
+def test_fairseq_train_logs_norm_stats_saves_and_generates(tiny_bin, tmp_path):
+    records, hypotheses, state = train_and_generate(tiny_bin, str(tmp_path), [*KEEL, "--norm-type", "rmsnorm"])
+    assert len(records) == 2 and all(math.isfinite(float(r["loss"])) for r in records)
+    assert "in_std:enc0.keel_attn_in" in records[-1] and "in_std:dec1.keel_cross_in" in records[-1]
+    assert len(hypotheses) == 100
+    assert "decoder.layers.1.keel_cross_input_norm.weight" in state

@@ -3,6 +3,9 @@ fairseq's parser on the tiny preset, W_hat = W at init, finite, incremental deco
 full forward, every parameter trained, the authors' ``SNLinear`` (a transcription of
 apple/ml-sigma-reparam ``vision/layers.py``) on the same inputs and weights, the power iteration
 once per training forward, composition and refusals."""
+import math
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +20,24 @@ from model_helpers import (assert_training_steps_reach_every_parameter, build, i
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
 TINY = "transformer_normplug_tiny"
+
+
+def train_and_generate(data_bin, save_dir, flags, updates=10):
+    """fairseq-train (in this process) for ``updates`` updates with ``flags`` and the norm
+    statistics every 5, then fairseq-generate (in this process) on the valid set from its last
+    checkpoint: (the train_inner log records, the hypotheses, the checkpoint's model state)."""
+    from inprocess import run_fairseq
+    from test_cli import TRAIN_COMMON, USER_DIR, log_records
+
+    train = run_fairseq(["fairseq-train", data_bin, "--arch", TINY, *TRAIN_COMMON, "--save-dir", save_dir,
+                         "--max-update", updates, "--log-interval", "5", "--norm-stats-interval", "5", *flags])
+    checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
+    generate = run_fairseq(["fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
+                            "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "valid",
+                            "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
+    hypotheses = [line for line in generate.stdout.splitlines() if line.startswith("H-")]
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]
+    return log_records(train, "train_inner"), hypotheses, state
 
 
 def reparameterized(model):
@@ -306,3 +327,15 @@ def test_bf16_model_keeps_float32_scales_and_is_close_to_float32(tiny_bin):
     model.train()
     model(src, lengths, prev)[0].float().pow(2).mean().backward()  # a bf16 training step runs
     assert all(torch.isfinite(linear.sigma_reparam.gamma.grad) for linear in reparameterized(model).values())
+
+
+def test_fairseq_train_logs_norm_stats_saves_and_generates(tiny_bin, tmp_path):
+    records, hypotheses, state = train_and_generate(tiny_bin, str(tmp_path), ["--prenorm", "--sigma-reparam"])
+    assert len(records) == 2 and all(math.isfinite(float(r["loss"])) for r in records)
+    assert "in_std:dec1.ffn" in records[-1]
+    assert len(hypotheses) == 100
+    for name in ("encoder.layers.0.fc1", "decoder.layers.1.encoder_attn.k_proj"):
+        gamma, u, v = (state[f"{name}.sigma_reparam.{key}"] for key in ("gamma", "u", "v"))
+        assert gamma.dim() == 0 and torch.isfinite(gamma) and gamma.dtype == torch.float32
+        weight = state[f"{name}.weight"].float()
+        assert abs(v @ weight @ u - torch.linalg.matrix_norm(weight, ord=2)) < 0.05 * gamma.abs()

@@ -1,5 +1,5 @@
 """DenseFormer (Pagliardini, Mohtashami, Fleuret & Jaggi, "DenseFormer: Enhancing Information Flow
-in Transformers via Depth Weighted Averaging", NeurIPS 2024, eq. 1 / Algorithm 1; authors' code
+in Transformers via Depth Weighted Averaging", NeurIPS 2024, arXiv:2402.02622; authors' code
 epfml/DenseFormer at c99a623, ``denseformer/denseformer.py``): after block i of a stack of N,
 a depth-weighted average (DWA) of the embedding output X_0 and every block output so far,
 

@@ -1,5 +1,5 @@
 """σReparam (Zhai, Likhomanenko, Littwin et al., "Stabilizing Transformer Training by Preventing
-Attention Entropy Collapse", ICML 2023, eq. 4; authors' code apple/ml-sigma-reparam at fea4e35,
+Attention Entropy Collapse", ICML 2023, arXiv:2303.06296; authors' code apple/ml-sigma-reparam at fea4e35,
 ``vision/layers.py``, the PyTorch implementation the paper also used for its MT models): every
 linear weight W is reparameterised as
 
