@@ -339,3 +339,41 @@ def test_fairseq_train_logs_norm_stats_saves_and_generates(tiny_bin, tmp_path):
         assert gamma.dim() == 0 and torch.isfinite(gamma) and gamma.dtype == torch.float32
         weight = state[f"{name}.weight"].float()
         assert abs(v @ weight @ u - torch.linalg.matrix_norm(weight, ord=2)) < 0.05 * gamma.abs()
+
+
+def saved_tensor_bytes(model, task):
+    """Bytes of the distinct storages autograd saves for the backward of one training forward."""
+    model.train()
+    src, lengths, prev = toy_batch(task, batch=32, length=40)
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(src, lengths, prev)
+    return sum(storages.values())
+
+
+def test_activation_memory_is_the_plain_models_plus_weight_sized_tensors(tiny_bin):
+    """W_hat replaces W inside the linear (as the authors' F.linear(x, W_hat, b)): the saved
+    activations are the plain model's; only weight-sized tensors (W in float32, W_hat) are added."""
+    model, task, _ = build(tiny_bin, TINY, "--sigma-reparam")
+    plain, _, _ = build(tiny_bin, TINY)
+    weights = sum(linear.weight.numel() * 4 for linear in reparameterized(model).values())
+    extra = saved_tensor_bytes(model, task) - saved_tensor_bytes(plain, task)
+    assert 0 < extra <= 4 * weights
+
+
+def test_the_parameter_is_back_after_a_forward_and_after_a_failing_one():
+    linear = nn.Linear(8, 6)
+    install_sigma_reparam(linear)
+    weight = linear.weight
+    assert isinstance(weight, nn.Parameter)
+    linear(torch.randn(2, 8)).sum().backward()
+    assert linear.weight is weight and weight.grad is not None
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(2, 5))  # wrong width: the linear's own forward raises
+    assert linear.weight is weight and [name for name, _ in linear.named_parameters()] == [
+        "weight", "bias", "sigma_reparam.gamma"]

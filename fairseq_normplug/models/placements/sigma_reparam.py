@@ -25,17 +25,18 @@ iteration per training forward, gamma a learned scalar.
   shared output projection) is the embedding and stays plain.
 
 How: each such linear gets a child ``sigma_reparam`` (:class:`SpectralScale`: gamma, float32 in
-fp16/bf16 models, and the float32 buffers u, v) and a forward pre-hook that multiplies the
-linear's input by gamma / sigma(W). For a layer computing F.linear(x, W, b) this is exactly
-F.linear(x, W_hat, b), and it stays exact for fairseq's and the plugin's linear variants that
-scale or normalise around that product (NormFormer's head scales, HybridNorm's QKV norms, the
-gated-attention gate), so nothing is rebuilt and every parameter keeps its name. The power
-iteration of a training forward runs once per stack call, in a forward pre-hook of the encoder
-and of the decoder (outside fairseq's ``--checkpoint-activations`` wrappers), and stores u and v;
-inside the layers sigma = v^T W u is then read from the stored vectors, so a checkpointed layer's
-recomputation sees the same sigma as its forward. It depends on W only, so data-parallel ranks
-agree. Every attention takes fairseq's own path (``_set_skip_embed_dim_check``: the fast paths
-read ``q_proj.weight`` themselves).
+fp16/bf16 models, and the float32 buffers u, v), and its class a mixin whose forward runs the
+linear's own forward with W_hat = gamma / sigma(W) * W in place of W (computed in float32, cast to
+W's dtype, put back after the call, also on an exception). So any linear variant that reads its
+``weight`` in its forward sees W_hat (NormFormer's head-scaled ``out_proj``, HybridNorm's
+QKV-normed projections, the gated ``out_proj``, fairseq's quant-noise hooks see W), nothing is
+rebuilt, every parameter keeps its name, and the activations are those of the plain model (only a
+weight-sized W_hat is added). The power iteration of a training forward runs once per stack call,
+in a forward pre-hook of the encoder and of the decoder (outside fairseq's
+``--checkpoint-activations`` wrappers), and stores u and v; inside the layers sigma = v^T W u is
+then read from the stored vectors, so a checkpointed layer's recomputation sees the same sigma as
+its forward. It depends on W only, so data-parallel ranks agree. Every attention takes fairseq's
+own path (``_set_skip_embed_dim_check``: the fast paths read ``q_proj.weight`` themselves).
 
 Refused: ``--ngpt`` (nGPT renormalises every matrix after each step and scales it itself),
 ``--qknorm`` (it rebuilds q_proj/k_proj after the model is built and normalises each head's q
@@ -96,11 +97,26 @@ class SpectralScale(Float32Params):
         return f"in={self.u.numel()}, out={self.v.numel()}"
 
 
-def scale_linear_input(linear: nn.Module, inputs):
-    """Forward pre-hook of a reparameterised linear: its input times gamma / sigma(W), which makes
-    F.linear(x, W, b) the authors' F.linear(x, gamma / sigma(W) W, b)."""
-    scale = linear.sigma_reparam(linear.weight)
-    return (inputs[0] * scale.to(inputs[0].dtype), *inputs[1:])
+class SigmaReparamLinearMixin:
+    """Put in front of a linear's class: its forward sees W_hat = gamma / sigma(W) W as ``weight``."""
+
+    def forward(self, *args, **kwargs):
+        weight = self._parameters["weight"]
+        scale = self.sigma_reparam(weight)
+        self._parameters["weight"] = (weight.float() * scale).to(weight.dtype)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._parameters["weight"] = weight
+
+
+_REPARAMETERIZED_CLASSES = {}
+
+
+def _reparameterized_class(cls: type) -> type:
+    if cls not in _REPARAMETERIZED_CLASSES:
+        _REPARAMETERIZED_CLASSES[cls] = type(f"SigmaReparam{cls.__name__}", (SigmaReparamLinearMixin, cls), {})
+    return _REPARAMETERIZED_CLASSES[cls]
 
 
 def update_spectral_estimates(stack: nn.Module, inputs) -> None:
@@ -116,7 +132,7 @@ def update_spectral_estimates(stack: nn.Module, inputs) -> None:
 def install_sigma_reparam(linear: nn.Linear) -> None:
     """Reparameterise one linear: W_hat = gamma / sigma(W) W from W's current value (W_hat = W)."""
     linear.sigma_reparam = SpectralScale(linear.weight)
-    linear.register_forward_pre_hook(scale_linear_input)
+    linear.__class__ = _reparameterized_class(type(linear))
 
 
 def reparameterized_linears(model: nn.Module):
