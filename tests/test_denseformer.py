@@ -242,6 +242,8 @@ def test_composes_with_every_norm_type(tiny_bin, norm_type):
      "--encoder-layerdrop 0.1 cannot be combined with --denseformer"),
     (["--prenorm", "--decoder-layerdrop", "0.2"], "translation",
      "--decoder-layerdrop 0.2 cannot be combined with --denseformer"),
+    (["--prenorm", "--encoder-layers-to-keep", "0"], "translation",
+     "--encoder-layers-to-keep cannot be combined with --denseformer"),
 ])
 def test_refusals_are_one_line(tiny_bin, flags, task, message):
     with pytest.raises(NormplugError) as error:
