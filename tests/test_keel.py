@@ -168,3 +168,22 @@ def test_fairseq_train_logs_norm_stats_saves_and_generates(tiny_bin, tmp_path):
     assert "in_std:enc0.keel_attn_in" in records[-1] and "in_std:dec1.keel_cross_in" in records[-1]
     assert len(hypotheses) == 100
     assert "decoder.layers.1.keel_cross_input_norm.weight" in state
+
+
+def bottom_to_top_gradient_ratio(tiny_bin, *flags, layers=12):
+    """|grad fc1| of the decoder's first layer over its last one's, at init (no dropout), for a
+    loss on the decoder's output."""
+    model, task, _ = build(tiny_bin, TINY, "--encoder-layers", str(layers), "--decoder-layers", str(layers),
+                           "--dropout", "0", *flags)
+    model.train()
+    src, lengths, prev = toy_batch(task, batch=8, length=12)
+    model(src, lengths, prev)[0].logsumexp(-1).mean().backward()
+    layers = model.decoder.layers
+    return (layers[0].fc1.weight.grad.norm() / layers[-1].fc1.weight.grad.norm()).item()
+
+
+def test_the_scaled_residual_keeps_the_gradient_from_vanishing_down_a_deep_postnorm_stack(tiny_bin):
+    """The paper's point: PostNorm's gradient vanishes from the top layers to the bottom (here
+    below 0.2 of the top's at 12 decoder layers); Keel's alpha = L residual keeps it (above 0.5)."""
+    assert bottom_to_top_gradient_ratio(tiny_bin) < 0.2
+    assert bottom_to_top_gradient_ratio(tiny_bin, *KEEL) > 0.5
