@@ -35,7 +35,7 @@ def randomize_alphas(model, seed=3):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for stack in (model.encoder, model.decoder):
-            for alpha in stack.denseformer.alphas:
+            for alpha in stack.denseformer.alphas.values():
                 alpha.add_(0.3 * torch.randn(alpha.shape, generator=g))
     return model
 
@@ -122,15 +122,19 @@ def authors_encoder(encoder, dwa, src):
     return encoder.layer_norm(x) if encoder.layer_norm is not None else x
 
 
-@pytest.mark.parametrize("placement", ["pre", "post"])
-def test_denseformer_equals_the_authors_dwa_modules(tiny_bin, placement):
-    model, task, _ = build(tiny_bin, TINY, "--denseformer", "--norm-placement", placement)
+@pytest.mark.parametrize("placement,layers,dilation,period", [("pre", 2, 1, 1), ("post", 2, 1, 1), ("pre", 5, 2, 1),
+                                                             ("pre", 5, 1, 2), ("post", 6, 2, 3)])
+def test_denseformer_equals_the_authors_dwa_modules(tiny_bin, placement, layers, dilation, period):
+    model, task, _ = build(tiny_bin, TINY, "--denseformer", "--norm-placement", placement, "--encoder-layers",
+                           str(layers), "--denseformer-dilation", str(dilation), "--denseformer-period", str(period))
     randomize_alphas(randomized(model, seed=1)).eval()
     encoder = model.encoder
-    dwa = DWAModules(len(encoder.layers))
+    dwa = DWAModules(len(encoder.layers), dilation=dilation, period=period)
+    ours_alphas = encoder.denseformer.alphas
+    assert sorted(ours_alphas, key=int) == [str(i) for i, theirs in enumerate(dwa.alphas) if theirs is not None]
     with torch.no_grad():
-        for theirs, ours in zip(dwa.alphas, encoder.denseformer.alphas):
-            theirs.weight.copy_(ours.view(1, -1))
+        for index, ours in ours_alphas.items():
+            dwa.alphas[int(index)].weight.copy_(ours.view(1, -1))
     src, lengths, _ = toy_batch(task)
     assert not src.eq(task.source_dictionary.pad()).any()
     ours = encoder(src, src_lengths=lengths)["encoder_out"][0]
@@ -139,9 +143,10 @@ def test_denseformer_equals_the_authors_dwa_modules(tiny_bin, placement):
     # the same gradients of the averaging weights
     ours.pow(2).sum().backward()
     theirs.pow(2).sum().backward()
-    for index, (theirs_alpha, ours_alpha) in enumerate(zip(dwa.alphas, encoder.denseformer.alphas)):
-        scale = theirs_alpha.weight.grad.abs().max().item()  # sums over every element: float32 noise
-        assert torch.allclose(ours_alpha.grad, theirs_alpha.weight.grad.view(-1), atol=1e-4 * scale), index
+    for index, ours_alpha in ours_alphas.items():
+        theirs_grad = dwa.alphas[int(index)].weight.grad.view(-1)
+        scale = theirs_grad.abs().max().item()  # sums over every element: float32 noise
+        assert torch.allclose(ours_alpha.grad, theirs_grad, atol=1e-4 * scale), index
     # and the averages matter: the plain blocks give another output
     with torch.no_grad():
         x, _ = encoder.forward_embedding(src)
@@ -157,7 +162,7 @@ def test_identity_init_gives_the_plain_model(tiny_bin):
     assert args.denseformer
     for stack in (model.encoder, model.decoder):
         assert isinstance(stack.denseformer, DepthWeightedAverages)
-        assert [alpha.tolist() for alpha in stack.denseformer.alphas] == [[0.0, 1.0], [0.0, 0.0, 1.0]]
+        assert [alpha.tolist() for alpha in stack.denseformer.alphas.values()] == [[0.0, 1.0], [0.0, 0.0, 1.0]]
     plain, _, _ = build(tiny_bin, TINY)
     names = [name for name, _ in model.named_parameters()]
     plain_names = [name for name, _ in plain.named_parameters()]
@@ -171,8 +176,10 @@ def test_identity_init_gives_the_plain_model(tiny_bin):
     assert model.encoder.denseformer.history is None and model.decoder.denseformer.history is None
 
 
-def test_finite_incremental_equals_full_and_every_parameter_trains(tiny_bin):
-    model, task, args = build(tiny_bin, TINY, "--denseformer", "--encoder-layers", "3", "--decoder-layers", "3")
+@pytest.mark.parametrize("variant", [[], ["--denseformer-dilation", "2", "--denseformer-period", "2"]])
+def test_finite_incremental_equals_full_and_every_parameter_trains(tiny_bin, variant):
+    model, task, args = build(tiny_bin, TINY, "--denseformer", "--encoder-layers", "4", "--decoder-layers", "4",
+                              *variant)
     randomize_alphas(randomized(model, seed=1))
     steps, full = incremental_and_full(model, task)
     assert torch.isfinite(full).all()
@@ -180,7 +187,7 @@ def test_finite_incremental_equals_full_and_every_parameter_trains(tiny_bin):
 
     def alphas_have_gradients(trained):
         for stack in (trained.encoder, trained.decoder):
-            for alpha in stack.denseformer.alphas:
+            for alpha in stack.denseformer.alphas.values():
                 assert (alpha.grad.abs() > 0).all()
 
     assert_training_steps_reach_every_parameter(model, task, args, after_first_backward=alphas_have_gradients)
@@ -251,6 +258,23 @@ def test_refusals_are_one_line(tiny_bin, flags, task, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--prenorm", "--denseformer-dilation", "2"], "--denseformer-dilation needs --denseformer"),
+    (["--prenorm", "--denseformer-period", "3"], "--denseformer-period needs --denseformer"),
+])
+def test_variant_flags_need_the_design(tiny_bin, flags, message):
+    with pytest.raises(NormplugError) as error:
+        build(tiny_bin, TINY, *flags)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("flag", ["--denseformer-dilation", "--denseformer-period"])
+@pytest.mark.parametrize("value", ["0", "1.5"])
+def test_variant_flags_take_positive_integers(tiny_bin, flag, value):
+    with pytest.raises((NormplugError, SystemExit)):
+        build(tiny_bin, TINY, "--denseformer", flag, value)
+
+
 def test_the_design_file_imports_only_the_public_interface():
     test_the_2024_2026_designs_import_only_the_public_interface("models/placements/denseformer.py")
 
@@ -266,7 +290,7 @@ def test_bf16_model_is_finite_and_close_to_float32(tiny_bin):
     assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
     model.train()
     model(src, lengths, prev)[0].float().pow(2).mean().backward()
-    assert all(torch.isfinite(alpha.grad).all() for alpha in model.decoder.denseformer.alphas)
+    assert all(torch.isfinite(alpha.grad).all() for alpha in model.decoder.denseformer.alphas.values())
 
 
 def test_fairseq_train_logs_norm_stats_saves_and_generates(tiny_bin, tmp_path):
@@ -288,7 +312,7 @@ def test_a_deep_copy_averages_with_its_own_weights(tiny_bin):
     with torch.no_grad():
         before = model(src, lengths, prev)[0]
         assert torch.equal(twin(src, lengths, prev)[0], before)
-        for alpha in twin.decoder.denseformer.alphas:
+        for alpha in twin.decoder.denseformer.alphas.values():
             alpha.mul_(-1.0)
         assert torch.equal(model(src, lengths, prev)[0], before)
         assert not torch.allclose(twin(src, lengths, prev)[0], before, atol=1e-3)

@@ -10,8 +10,11 @@ output of block j-1 (not its average). The weights of block i are ``alpha_i`` (i
 initialised to the identity: alpha_{i,i+1} = 1, the others 0, so the model starts as the plain
 one (``DWAModules._init_weights``, ``denseformer.py:39-43``; the average itself is
 ``torch.tensordot(alphas[i].weight.view(-1), accumulators[:i+2], dims=1)``, line 63, over the
-embedding output set at line 52 and each block output appended at lines 57-61). This is the
-authors' DenseFormer without dilation and period (``dilation=1, period=1``, their 1x1 model).
+embedding output set at line 52 and each block output appended at lines 57-61). The authors'
+dilated and periodic k x p variants (``DWAModules(n_blocks, dilation, period)``, lines 30-35,
+47-63): ``--denseformer-dilation K`` averages after block i only the X_j with j = i+1 (mod K)
+((i+1)//K + 1 weights), ``--denseformer-period P`` averages only after the blocks with
+(i+1) % P == 0 (the others pass their output on); both default to 1, the plain DenseFormer.
 
 Here each stack (encoder and decoder) has its own DWA: ``denseformer.alphas`` of the stack, its
 X_0 the input of the first layer (fairseq's embedding output after scaling, positions, dropout
@@ -34,6 +37,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor, nn
 
+from fairseq_normplug.numeric_flags import number_flag
+
 from fairseq_normplug.models.placements.base import Modifier, flag, register_modifier
 
 #: placements whose layers carry several streams concatenated along the features (2d or n*d wide)
@@ -41,29 +46,37 @@ MULTI_STREAM_PLACEMENTS = ("resi-dual", "siamese", "hyper-connections")
 
 
 class DepthWeightedAverages(nn.Module):
-    """The DWA weights of one stack of ``num_layers`` blocks: ``alphas[i]`` (i+2 weights) mixes
-    X_0..X_{i+1} after block i; identity init. ``history`` holds X_0..X_{i+1} during one forward."""
+    """The DWA weights of one stack of ``num_layers`` blocks with dilation k and period p:
+    ``alphas["i"]`` (for the blocks i with (i+1) % p == 0) mixes the X_j with j = i+1 (mod k),
+    j <= i+1 ((i+1)//k + 1 weights; k = 1: all of X_0..X_{i+1}); identity init. ``history`` holds
+    X_0..X_{i+1} during one forward."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, dilation: int = 1, period: int = 1):
         super().__init__()
-        alphas = []
+        self.num_layers, self.dilation, self.period = num_layers, dilation, period
+        alphas = {}
         for index in range(num_layers):
-            alpha = torch.zeros(index + 2)
-            alpha[-1] = 1.0  # the block's own output: the plain Transformer
-            alphas.append(nn.Parameter(alpha))
-        self.alphas = nn.ParameterList(alphas)
+            if (index + 1) % period == 0:
+                alpha = torch.zeros((index + 1 + dilation) // dilation)
+                alpha[-1] = 1.0  # the block's own output: the plain Transformer
+                alphas[str(index)] = nn.Parameter(alpha)
+        self.alphas = nn.ParameterDict(alphas)
         self.history: Optional[List[Tensor]] = None
 
     def forward(self, index: int, history: List[Tensor]) -> Tensor:
-        """Y_index = sum_j alphas[index][j] history[j] (history: X_0..X_{index+1}, same shapes)."""
-        alpha = self.alphas[index].to(history[0].dtype)
-        average = alpha[0] * history[0]
-        for weight, output in zip(alpha[1:], history[1:]):
+        """Y_index from history = X_0..X_{index+1}: sum_m alphas[index][m] X_{(index+1) % k + m k}
+        after an averaging block, X_{index+1} after the others."""
+        if str(index) not in self.alphas:
+            return history[-1]
+        alpha = self.alphas[str(index)].to(history[-1].dtype)
+        outputs = history[(index + 1) % self.dilation::self.dilation]
+        average = alpha[0] * outputs[0]
+        for weight, output in zip(alpha[1:], outputs[1:]):
             average = average + weight * output
         return average
 
     def extra_repr(self) -> str:
-        return f"blocks={len(self.alphas)}"
+        return f"blocks={self.num_layers}, dilation={self.dilation}, period={self.period}"
 
 
 def average_after_block(averages: DepthWeightedAverages, index: int, layer: nn.Module, args, kwargs, output):
@@ -80,7 +93,7 @@ def average_after_block(averages: DepthWeightedAverages, index: int, layer: nn.M
                            f"output has {tuple(history[0].shape)}; DWA averages one d-wide stream")
     history.append(x)
     average = averages(index, history)
-    if index == len(averages.alphas) - 1:
+    if index == averages.num_layers - 1:
         averages.history = None  # nothing kept between forwards
     return (average, *output[1:]) if isinstance(output, tuple) else average
 
@@ -89,6 +102,8 @@ def average_after_block(averages: DepthWeightedAverages, index: int, layer: nn.M
 class DenseFormer(Modifier):
     """A depth-weighted average of all earlier block outputs after every block (module docstring)."""
 
+    defaults = {"denseformer_dilation": None, "denseformer_period": None}
+
     @classmethod
     def add_args(cls, parser):
         parser.add_argument(
@@ -96,6 +111,14 @@ class DenseFormer(Modifier):
             help="DenseFormer (Pagliardini et al. 2024): after each block, a learned weighted average of the "
                  "embedding output and all block outputs so far (identity init), in the encoder and the "
                  "decoder; every norm type; not with resi-dual, siamese, hyper-connections, --ngpt, LayerDrop")
+        parser.add_argument(
+            "--denseformer-dilation", metavar="K", **number_flag(int, at_least=1, note="the DWA dilation"),
+            help="--denseformer: average only the outputs X_j with j = i+1 (mod K) after block i "
+                 "(default 1: all of them; the authors' k)")
+        parser.add_argument(
+            "--denseformer-period", metavar="P", **number_flag(int, at_least=1, note="the DWA period"),
+            help="--denseformer: average only after the blocks i with (i+1) %% P == 0 (default 1: every "
+                 "block; the authors' p)")
 
     def __init__(self, args, placement):
         super().__init__(args, placement)
@@ -113,9 +136,11 @@ class DenseFormer(Modifier):
             if getattr(args, name, None):
                 self.refuse(f"{flag(name)} cannot be combined with --denseformer: each block's averaging weights "
                             f"are defined over all blocks of its stack")
+        self.dilation = args.denseformer_dilation = args.denseformer_dilation or 1
+        self.period = args.denseformer_period = args.denseformer_period or 1
 
     def build_stack(self, stack):
-        stack.denseformer = DepthWeightedAverages(len(stack.layers))
+        stack.denseformer = DepthWeightedAverages(len(stack.layers), self.dilation, self.period)
         for index, layer in enumerate(stack.layers):
             layer.register_forward_hook(functools.partial(average_after_block, stack.denseformer, index),
                                         with_kwargs=True)
