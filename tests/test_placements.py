@@ -192,6 +192,8 @@ EXPECTED_NORMS = {
     | {"enc.final", "dec.final"},
     "hyper-connections": POST | {"enc.final", "dec.final"} | layer_names("enc", 2, ["hc_attn", "hc_ffn"])
     | layer_names("dec", 2, ["hc_attn", "hc_cross", "hc_ffn"]),
+    "keel": POST | layer_names("enc", 2, ["keel_attn_in", "keel_ffn_in"])
+    | layer_names("dec", 2, ["keel_attn_in", "keel_cross_in", "keel_ffn_in"]),
 }
 
 

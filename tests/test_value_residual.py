@@ -279,6 +279,7 @@ def test_composes_with_every_placement(tiny_bin, placement):
     (["--prenorm", "--qknorm", "--qknorm-g0", "4"], "translation"),
     (["--prenorm", "--residual-scale", "layerscale"], "translation"),
     (["--prenorm", "--gated-attention"], "translation"), (["--ngpt"], "translation_normplug"),
+    (["--prenorm", "--sigma-reparam"], "translation"), (["--prenorm", "--denseformer"], "translation"),
 ])
 def test_composes_with_the_other_modifiers(tiny_bin, flags, task):
     model, task, _ = build(tiny_bin, TINY, "--value-residual", *flags, task=task)

@@ -22,6 +22,9 @@ from fairseq_normplug.models.placements import siamese, output_norm, hyper_conne
 from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt, gpas  # noqa: F401,E402
 from fairseq_normplug.models.placements import gated_attention  # noqa: F401,E402
 from fairseq_normplug.models.placements import value_residual  # noqa: F401,E402
+from fairseq_normplug.models.placements import sigma_reparam  # noqa: F401,E402
+from fairseq_normplug.models.placements import denseformer  # noqa: F401,E402
+from fairseq_normplug.models.placements import keel  # noqa: F401,E402
 
 
 def placement_label(name: str, modifiers=()) -> str:

@@ -1,0 +1,61 @@
+"""Keel (Chen & Wei 2026, "Post-LayerNorm Is Back: Stable, ExpressivE, and Deep",
+arXiv:2601.19895; no official code: the paper's block equation is the reference): a PostNorm
+Transformer whose residual path becomes a Highway-style scaled connection, with a second norm
+on the sublayer's input. For every sublayer F (self-attention, cross-attention, FFN)
+
+    x_{l+1} = LN_1( alpha x_l + Dropout(F(LN_2(x_l))) ),      alpha = L,
+
+L the number of sublayers of the stack (encoder: 2 per layer; decoder: 3 per layer with
+cross-attention), or ``--keel-alpha A``. LN_1 is fairseq's own PostNorm norm of the sublayer
+(``self_attn_layer_norm``, ``encoder_attn_layer_norm``, ``final_layer_norm``); LN_2 is a new
+norm on the sublayer's input (``keel_attn_input_norm``, ``keel_cross_input_norm``,
+``keel_ffn_input_norm``). Each stack ends with LN_1 of its last sublayer, so there is no extra
+final norm (as PostNorm). The paper's norms are RMSNorm (``--norm-type rmsnorm``); any
+``--norm-type`` fills both. Keel needs no special init: fairseq's (or ``--weight-init``) is kept.
+
+The paper's model is decoder-only; here the encoder gets the same block, and the decoder's
+cross-attention is a sublayer like the others (its query LN_2(x), its keys and values the
+encoder output). Everything is position-wise but the attentions, so incremental decoding goes
+through fairseq's attention caches unchanged. Refused: any ``--residual-scale`` (alpha is the
+residual's scale) and ``--weight-init tfixup`` (derived for single x + F(x) residuals).
+"""
+from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
+from fairseq_normplug.numeric_flags import number_flag
+
+from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
+
+#: LN_2 of each sublayer kind: the norm of the sublayer's input
+INPUT_NORMS = {"attn": "keel_attn_input_norm", "cross": "keel_cross_input_norm", "ffn": "keel_ffn_input_norm"}
+
+
+@register_placement("keel")
+class Keel(Placement):
+    defaults = {"keel_alpha": None}
+    norm_slots = ((INPUT_NORMS["attn"], ATTENTION, "keel_attn_in"),
+                  (INPUT_NORMS["cross"], ATTENTION, "keel_cross_in"),
+                  (INPUT_NORMS["ffn"], FFN, "keel_ffn_in"))
+
+    @classmethod
+    def add_args(cls, parser):
+        parser.add_argument(
+            "--keel-alpha", metavar="A", **number_flag(float, above=0, note="the scale of the residual x_l"),
+            help="--norm-placement keel: the residual scale alpha of LN_1(alpha x + F(LN_2(x))) (default: "
+                 "L, the number of sublayers of the stack, the paper's)")
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.refuse_residual_scale(args, "Keel's alpha is the scale of its residual")
+        self.refuse_tfixup(args)
+        self.alpha = args.keel_alpha
+
+    def build_layer(self, layer, index, num_layers):
+        kinds = ["attn", "cross", "ffn"] if getattr(layer, "encoder_attn", None) is not None else ["attn", "ffn"]
+        for kind in kinds:
+            setattr(layer, INPUT_NORMS[kind], new_norm(layer.embed_dim, ATTENTION if kind != "ffn" else FFN))
+        layer.keel_alpha = float(self.alpha if self.alpha is not None else num_layers * len(kinds))
+
+    def sublayers(self, layer, x, sublayers):
+        for kind, sublayer in sublayers:
+            branch = layer.dropout_module(sublayer(getattr(layer, INPUT_NORMS[kind])(x)))
+            x = layer.norm(kind)(layer.keel_alpha * x + branch)
+        return x

@@ -1,0 +1,189 @@
+"""Issue 58's Keel (``--norm-placement keel``, models/placements/keel.py): built through fairseq's
+parser on the tiny preset, each layer equal to the paper's equation LN_1(alpha x + F(LN_2(x)))
+written out, alpha = L by default and ``--keel-alpha``, finite, incremental decoding equal to the
+full forward, every parameter trained, norm slots, composition and refusals."""
+import math
+
+import pytest
+import torch
+
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.norm_placement import named_norms
+from fairseq_normplug.models.placements.keel import INPUT_NORMS
+from fairseq_normplug.modules.norm_registry import NORM_TYPES, norm_type_of
+from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full,
+                           norm_type_flags, randomized, toy_batch)
+from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
+from test_sigma_reparam import train_and_generate
+
+TINY = "transformer_normplug_tiny"
+KEEL = ("--norm-placement", "keel")
+
+
+def one_backward(model, task):
+    model.train()
+    torch.manual_seed(0)
+    src, lengths, prev = toy_batch(task)
+    model(src, lengths, prev)[0].pow(2).mean().backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def paper_block(x, alpha, sublayers):
+    """The paper's x <- LN_1(alpha x + F(LN_2(x))) for each (LN_1, F, LN_2), no dropout (eval)."""
+    for post_norm, sublayer, input_norm in sublayers:
+        x = post_norm(alpha * x + sublayer(input_norm(x)))
+    return x
+
+
+@pytest.mark.parametrize("alpha_flags,encoder_alpha,decoder_alpha", [
+    ((), 4.0, 6.0),  # L = the stack's sublayers: 2 layers x (attn, ffn) / 2 layers x (attn, cross, ffn)
+    (("--keel-alpha", "2.5"), 2.5, 2.5),
+])
+def test_each_layer_is_the_papers_equation(tiny_bin, alpha_flags, encoder_alpha, decoder_alpha):
+    model, task, _ = build(tiny_bin, TINY, *KEEL, *alpha_flags)
+    randomized(model, seed=1).eval()
+    torch.manual_seed(2)
+    x = torch.randn(5, 3, 64)
+    enc = torch.randn(7, 3, 64)
+    with torch.no_grad():
+        layer = model.encoder.layers[1]
+        assert layer.keel_alpha == encoder_alpha
+
+        def self_attention(h):
+            return layer.self_attn(h, h, h, need_weights=False)[0]
+
+        expected = paper_block(x, encoder_alpha, [
+            (layer.self_attn_layer_norm, self_attention, layer.keel_attn_input_norm),
+            (layer.final_layer_norm, layer.feed_forward, layer.keel_ffn_input_norm)])
+        assert torch.allclose(layer(x, None), expected, atol=1e-5)
+
+        layer = model.decoder.layers[0]
+        assert layer.keel_alpha == decoder_alpha
+        mask = torch.triu(torch.full((5, 5), float("-inf")), 1)
+
+        def causal_attention(h):
+            return layer.self_attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+
+        def cross_attention(h):
+            return layer.encoder_attn(h, enc, enc, static_kv=True, need_weights=False)[0]
+
+        expected = paper_block(x, decoder_alpha, [
+            (layer.self_attn_layer_norm, causal_attention, layer.keel_attn_input_norm),
+            (layer.encoder_attn_layer_norm, cross_attention, layer.keel_cross_input_norm),
+            (layer.final_layer_norm, layer.feed_forward, layer.keel_ffn_input_norm)])
+        assert torch.allclose(layer(x, enc, None, self_attn_mask=mask)[0], expected, atol=1e-5)
+    # the stacks end with LN_1 of their last sublayer: no extra final norm
+    assert model.encoder.layer_norm is None and model.decoder.layer_norm is None
+
+
+def test_norm_slots_get_the_chosen_norm_type_and_are_logged(tiny_bin):
+    model, _, _ = build(tiny_bin, TINY, *KEEL, "--norm-type", "rmsnorm")
+    norms = named_norms(model)
+    expected = {f"enc{i}.{short}" for i in range(2) for short in ("attn", "ffn", "keel_attn_in", "keel_ffn_in")}
+    expected |= {f"dec{i}.{short}" for i in range(2)
+                 for short in ("attn", "cross", "ffn", "keel_attn_in", "keel_cross_in", "keel_ffn_in")}
+    assert set(norms) == expected
+    assert {norm_type_of(norm) for norm in norms.values()} == {"rmsnorm"}
+    assert not hasattr(model.encoder.layers[0], INPUT_NORMS["cross"])
+
+
+def test_finite_incremental_equals_full_and_every_parameter_trains(tiny_bin):
+    model, task, args = build(tiny_bin, TINY, *KEEL)
+    steps, full = incremental_and_full(randomized(model, seed=1), task)
+    assert torch.isfinite(full).all()
+    assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
+    assert_training_steps_reach_every_parameter(model, task, args)
+
+
+def test_checkpoint_activations_give_the_same_gradients(tiny_bin):
+    plain, task, _ = build(tiny_bin, TINY, *KEEL, seed=7)
+    expected = one_backward(plain, task)
+    wrapped, _, _ = build(tiny_bin, TINY, *KEEL, "--checkpoint-activations", seed=7)
+    grads = one_backward(wrapped, task)
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert torch.allclose(grad, expected[name], atol=1e-6), name
+
+
+@pytest.mark.parametrize("norm_type", list(NORM_TYPES))
+def test_composes_with_every_norm_type(tiny_bin, norm_type):
+    model, task, _ = build(tiny_bin, TINY, *KEEL, *norm_type_flags(norm_type))
+    steps, full = incremental_and_full(randomized(model, seed=1), task)
+    assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
+    grads = one_backward(model, task)
+    assert all(grad is not None and torch.isfinite(grad).all() for grad in grads.values())
+
+
+@pytest.mark.parametrize("flags", [["--gated-attention"], ["--sigma-reparam"], ["--denseformer"],
+                                   ["--qknorm", "--qknorm-g0", "4"], ["--no-decoder-final-norm"],
+                                   ["--encoder-layerdrop", "0.5"]])
+def test_composes_with_the_other_designs(tiny_bin, flags):
+    model, task, _ = build(tiny_bin, TINY, *KEEL, *flags)
+    steps, full = incremental_and_full(randomized(model, seed=1), task)
+    assert torch.isfinite(full).all()
+    assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
+    grads = one_backward(model, task)
+    assert all(grad is None or torch.isfinite(grad).all() for grad in grads.values())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--norm-placement", "keel", "--residual-scale", "rezero"],
+     "--residual-scale rezero cannot be combined with --norm-placement keel"),
+    (["--norm-placement", "keel", "--residual-scale", "deepnorm"], "--residual-scale deepnorm"),
+    (["--norm-placement", "keel", "--weight-init", "tfixup", "--norm-type", "identity"],
+     "--weight-init tfixup cannot be combined with --norm-placement keel"),
+    (["--norm-placement", "keel", "--normformer"], "--normformer needs the PreNorm placement"),
+    (["--prenorm", "--keel-alpha", "2"], "--keel-alpha needs --norm-placement keel"),
+])
+def test_refusals_are_one_line(tiny_bin, flags, message):
+    with pytest.raises(NormplugError) as error:
+        build(tiny_bin, TINY, *flags)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_keel_alpha_must_be_positive_and_finite(tiny_bin, value):
+    with pytest.raises((NormplugError, SystemExit)):
+        build(tiny_bin, TINY, *KEEL, "--keel-alpha", value)
+
+
+def test_the_design_file_imports_only_the_public_interface():
+    test_the_2024_2026_designs_import_only_the_public_interface("models/placements/keel.py")
+
+
+def test_bf16_model_is_finite_and_close_to_float32(tiny_bin):
+    model, task, _ = build(tiny_bin, TINY, *KEEL)
+    randomized(model).eval()
+    src, lengths, prev = toy_batch(task)
+    with torch.no_grad():
+        full = model(src, lengths, prev)[0]
+        half = model.to(torch.bfloat16)(src, lengths, prev)[0]
+    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
+    assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
+
+
+def test_fairseq_train_logs_norm_stats_saves_and_generates(tiny_bin, tmp_path):
+    records, hypotheses, state = train_and_generate(tiny_bin, str(tmp_path), [*KEEL, "--norm-type", "rmsnorm"])
+    assert len(records) == 2 and all(math.isfinite(float(r["loss"])) for r in records)
+    assert "in_std:enc0.keel_attn_in" in records[-1] and "in_std:dec1.keel_cross_in" in records[-1]
+    assert len(hypotheses) == 100
+    assert "decoder.layers.1.keel_cross_input_norm.weight" in state
+
+
+def bottom_to_top_gradient_ratio(tiny_bin, *flags, layers=12):
+    """|grad fc1| of the decoder's first layer over its last one's, at init (no dropout), for a
+    loss on the decoder's output."""
+    model, task, _ = build(tiny_bin, TINY, "--encoder-layers", str(layers), "--decoder-layers", str(layers),
+                           "--dropout", "0", *flags)
+    model.train()
+    src, lengths, prev = toy_batch(task, batch=8, length=12)
+    model(src, lengths, prev)[0].logsumexp(-1).mean().backward()
+    layers = model.decoder.layers
+    return (layers[0].fc1.weight.grad.norm() / layers[-1].fc1.weight.grad.norm()).item()
+
+
+def test_the_scaled_residual_keeps_the_gradient_from_vanishing_down_a_deep_postnorm_stack(tiny_bin):
+    """The paper's point: PostNorm's gradient vanishes from the top layers to the bottom (here
+    below 0.2 of the top's at 12 decoder layers); Keel's alpha = L residual keeps it (above 0.5)."""
+    assert bottom_to_top_gradient_ratio(tiny_bin) < 0.2
+    assert bottom_to_top_gradient_ratio(tiny_bin, *KEEL) > 0.5
