@@ -18,8 +18,9 @@ Folds, all exact (docs/deployment.md):
 
 * ScaleNorm g x / max(||x||, eps) = (g / sqrt(d)) x / rms(x) (Nguyen & Salazar 2019, eq. 5):
   an RMSNorm whose gain is g / sqrt(d) in every channel and whose epsilon is eps^2 / d
-  (sqrt(mean(x^2) + eps^2/d) = sqrt(||x||^2 + eps^2) / sqrt(d): the same up to a relative
-  eps^2 / (2 ||x||^2), far below float32 precision unless ||x|| is within ~1e3 eps of zero);
+  (sqrt(mean(x^2) + eps^2/d) = sqrt(||x||^2 + eps^2) / sqrt(d): the two differ by a relative
+  eps^2 / (2 ||x||^2), below float32 rounding once ||x|| > 3e3 eps, 0.03 at the default eps;
+  the hidden states a norm sees are orders of magnitude larger);
 * RMSNorm and LayerNorm with ``--zero-centered-gamma``: the applied gain 1 + gamma;
 * FixNorm (Nguyen & Chiang 2018; Tears eq. 6): the l2-normalised rows are constant at
   inference, written as the embedding matrix (and as the tied output matrix);
