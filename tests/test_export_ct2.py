@@ -137,8 +137,10 @@ def assert_refused(code, stderr, output, *words):
     (["--prenorm", "--norm-type", "derf"], ["--norm-type derf"]),
     (["--norm-placement", "sandwich"], ["--norm-placement sandwich", "no spec"]),
     (["--prenorm", "--normformer"], ["--normformer", "no spec"]),
-    (["--residual-scale", "deepnorm"], ["ResidualScaled"]),
-    (["--prenorm", "--qknorm", "--qknorm-g0", "5"], ["self_attn", "scaling"]),
+    (["--residual-scale", "deepnorm"], ["--residual-scale deepnorm", "x + F(x)"]),
+    (["--prenorm", "--qknorm", "--qknorm-g0", "5"], ["self_attn.q_proj", "HeadNormProjection"]),
+    (["--prenorm", "--cross-self-attention"], ["--cross-self-attention"]),
+    (["--prenorm", "--activation-fn", "tanh"], ["--activation-fn tanh"]),  # CTranslate2's converter's own check
 ])
 def test_what_ctranslate2_cannot_express_is_refused_in_one_line(checkpoints, tiny_bin, tmp_path, flags, words):
     code, _, stderr = export(checkpoints(flags, trained=False), tiny_bin, tmp_path / "out" / "ct2")

@@ -61,7 +61,7 @@ ENCODERS = (TransformerEncoderBase, TransformerEncoder)
 #: the logit given to padding and to the types ``--target-vocab-mask`` masks (the authors' -1e9)
 SUPPRESSED_LOGIT = MASKED_LOGIT
 #: fairseq options that change the forward without adding a parameter, which CTranslate2 cannot express
-UNEXPRESSED_OPTIONS = ("cross_self_attention",)
+UNEXPRESSED_OPTIONS = {"cross_self_attention": "CTranslate2's decoder self-attention does not attend to the encoder output"}
 
 
 class Norm:
@@ -137,7 +137,9 @@ class SpecWriter:
     def module(self, module: nn.Module, classes: tuple, what: str) -> nn.Module:
         """``module``, whose class must be exactly one of ``classes``, else a refusal naming it."""
         if type(module) not in classes:
-            refuse(f"{self.where(module)} is a {type(module).__name__}; CTranslate2's {what} is "
+            residual = getattr(getattr(module, "residual_scale", None), "kind", None)  # --residual-scale's layers
+            design = f" (--residual-scale {residual}: CTranslate2 adds residuals as x + F(x))" if residual else ""
+            refuse(f"{self.where(module)} is a {type(module).__name__}{design}; CTranslate2's {what} is "
                    f"{' or '.join(sorted({c.__name__ for c in classes}))}")
         return module
 
@@ -155,11 +157,14 @@ class SpecWriter:
 
     def attention(self, spec, module: nn.Module, self_attention: bool) -> None:
         self.module(module, (MultiheadAttention,), "attention")
-        if module.bias_k is not None or module.add_zero_attn or module.scaling != module.head_dim ** -0.5:
-            refuse(f"{self.where(module)}: key/value biases, zero attention or a non-standard scaling "
-                   f"(CTranslate2 computes softmax(q k^T / sqrt(d_head)) v)")
         for projection in (module.q_proj, module.k_proj, module.v_proj, module.out_proj):
             self.module(projection, (nn.Linear,), "attention projection")
+        if module.scaling != module.head_dim ** -0.5:
+            refuse(f"{self.where(module)} scales q.k by {module.scaling:g}, not 1/sqrt(d_head) (as --qknorm does); "
+                   f"CTranslate2 computes softmax(q k^T / sqrt(d_head)) v")
+        if module.bias_k is not None or module.add_zero_attn:
+            refuse(f"{self.where(module)} has key/value biases or zero attention (--add-bias-kv, --add-zero-attn)")
+        for projection in (module.q_proj, module.k_proj, module.v_proj, module.out_proj):
             self.use(projection.weight, projection.bias)
         ct2_fairseq.set_multi_head_attention(spec, module, self_attention=self_attention)
 
@@ -185,6 +190,9 @@ class SpecWriter:
         if stack.layernorm_embedding is not None:
             self.norm(spec.layernorm_embedding, stack.layernorm_embedding)
         if stack.layer_norm is not None:
+            if not spec.pre_norm:
+                refuse(f"{self.where(stack)} ends with a final norm after PostNorm layers; CTranslate2 has "
+                       f"final norms for PreNorm stacks only")
             self.norm(spec.layer_norm, stack.layer_norm)
 
     def encoder(self, spec, encoder: nn.Module) -> None:
@@ -277,9 +285,9 @@ def check_with_ctranslate2(model_args) -> None:
     for both stacks, one head count), on a copy of the checkpoint's model arguments as a stock
     ``transformer``; their reasons as one line."""
     values = OmegaConf.to_container(model_args, resolve=True) if OmegaConf.is_config(model_args) else vars(model_args)
-    for option in UNEXPRESSED_OPTIONS:
+    for option, reason in UNEXPRESSED_OPTIONS.items():
         if values.get(option):
-            refuse(f"--{option.replace('_', '-')}")
+            refuse(f"--{option.replace('_', '-')}: {reason}")
     try:
         ct2_fairseq._get_model_spec(argparse.Namespace(**{**values, "arch": "transformer"}))
     except ValueError as error:
