@@ -31,7 +31,6 @@ Folds, all exact (docs/deployment.md):
 import argparse
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-import numpy as np
 import torch
 from ctranslate2.converters import fairseq as ct2_fairseq
 from ctranslate2.specs import transformer_spec
@@ -61,7 +60,13 @@ ENCODERS = (TransformerEncoderBase, TransformerEncoder)
 #: the logit given to padding and to the types ``--target-vocab-mask`` masks (the authors' -1e9)
 SUPPRESSED_LOGIT = MASKED_LOGIT
 #: fairseq options that change the forward without adding a parameter, which CTranslate2 cannot express
-UNEXPRESSED_OPTIONS = {"cross_self_attention": "CTranslate2's decoder self-attention does not attend to the encoder output"}
+UNEXPRESSED_OPTIONS = {
+    "cross_self_attention": "CTranslate2's decoder self-attention does not attend to the encoder output",
+}
+
+
+def refuse(message: str) -> None:
+    raise NormplugError(f"cannot export to CTranslate2: {message}")
 
 
 class Norm:
@@ -75,7 +80,7 @@ class Norm:
 def layer_norm(module: nn.LayerNorm) -> Norm:
     """torch's LayerNorm (fairseq's on CPU) or LayerNorm1p: gamma (1 + gamma when zero-centred), beta, eps."""
     if not module.elementwise_affine or module.bias is None:
-        raise NormplugError(f"a LayerNorm without gain or bias ({module}): CTranslate2's LayerNorm has both")
+        refuse(f"a LayerNorm without gain or bias ({module}): CTranslate2's LayerNorm has both")
     return Norm(False, effective_gain(module), module.bias, module.eps)
 
 
@@ -112,10 +117,6 @@ def read_norm(module: nn.Module, where: str) -> Norm:
                f"with LayerNorm or RMSNorm only, so it exports {exportable_norm_types()} (ScaleNorm folded "
                f"into RMSNorm), never an approximation of {name}")
     return writer(module)
-
-
-def refuse(message: str) -> None:
-    raise NormplugError(f"cannot export to CTranslate2: {message}")
 
 
 class SpecWriter:
@@ -233,7 +234,6 @@ class SpecWriter:
                    f"{f' (and {len(unused) - 3} more)' if len(unused) > 3 else ''}")
 
 
-
 def norm_config(norms: List[Tuple[str, Norm]]) -> Tuple[bool, float]:
     """(RMSNorm everywhere?, the one epsilon) of ``norms`` ((where, norm) pairs): CTranslate2 has
     one norm kind and one epsilon in a model."""
@@ -295,7 +295,13 @@ def check_with_ctranslate2(model_args) -> None:
         refuse("; ".join(reasons))
 
 
-def build_spec(model: nn.Module, model_args, source_dictionary, target_dictionary) -> "transformer_spec.TransformerSpec":
+def _value(model_args, name: str, default):
+    """``model_args.name``, or ``default`` where it is missing or None (as CTranslate2's converter reads it)."""
+    value = getattr(model_args, name, None)
+    return default if value is None else value
+
+
+def build_spec(model: nn.Module, model_args, source_dictionary, target_dictionary) -> transformer_spec.TransformerSpec:
     """The ``TransformerSpec`` of ``model`` (eval mode, CPU), with its vocabularies and config
     (fairseq's: decoding starts with </s>, the source ends with </s>), or a one-line refusal."""
     check_with_ctranslate2(model_args)
@@ -312,8 +318,8 @@ def build_spec(model: nn.Module, model_args, source_dictionary, target_dictionar
     decoder_spec = transformer_spec.TransformerDecoderSpec(
         len(decoder.layers), decoder.layers[0].self_attn.num_heads, no_final_norm=decoder.layer_norm is None,
         layernorm_embedding=decoder.layernorm_embedding is not None,
-        alignment_layer=getattr(model_args, "alignment_layer", -1) or -1,
-        alignment_heads=getattr(model_args, "alignment_heads", 0) or 0, **common)
+        alignment_layer=_value(model_args, "alignment_layer", -1),
+        alignment_heads=_value(model_args, "alignment_heads", 0), **common)
     spec = transformer_spec.TransformerSpec(encoder_spec, decoder_spec)
     writer = SpecWriter(model)
     with torch.no_grad():
