@@ -171,6 +171,12 @@ def test_an_existing_output_is_kept_without_force(checkpoints, tiny_bin, tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["ct2"]
 
 
+def test_quantization_is_refused_with_the_load_time_alternative(checkpoints, tiny_bin, tmp_path):
+    output = tmp_path / "out" / "ct2"
+    code, _, stderr = export(checkpoints(EXACT["prenorm"], trained=False), tiny_bin, output, "--quantization", "int8")
+    assert_refused(code, stderr, str(output), "--quantization int8", "compute_type='int8'")
+
+
 def test_without_ctranslate2_one_line_names_the_extra(checkpoints, tiny_bin, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # import ctranslate2 -> ImportError
     output = tmp_path / "out" / "ct2"

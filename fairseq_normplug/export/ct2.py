@@ -3,7 +3,9 @@
 
     fairseq-normplug-ct2 --model_path CHECKPOINT --data_dir DATA --output_dir OUT
 
-The arguments are those of CTranslate2's ``ct2-fairseq-converter``, on which it is built. A
+The arguments are those of CTranslate2's ``ct2-fairseq-converter``, on which it is built
+(``--user_dir``, ``--vocab_mapping`` and ``--force`` too; ``--quantization`` is refused: the
+precision is chosen when the model is loaded). A
 model CTranslate2 can express (PostNorm or PreNorm; LayerNorm, RMSNorm, ScaleNorm folded into
 RMSNorm; FixNorm's normalised embeddings; the output bias and target vocabulary mask) is
 written exactly; anything else is refused in one line naming it, before anything is written.
@@ -36,6 +38,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the data folder it was trained on (fairseq-preprocess output, or a prepared folder with bin/)")
     p.add_argument("--output_dir", required=True, help="the CTranslate2 model folder to write")
     p.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists (once the check passed)")
+    p.add_argument("--user_dir", help="a fairseq --user-dir to import besides this plugin (your own models or tasks)")
+    p.add_argument("--vocab_mapping", help="a vocabulary mapping file to include, as ct2-fairseq-converter does")
+    p.add_argument("--quantization", help="refused: the export is float32, the form the check compares; choose "
+                                          "the precision when loading, ctranslate2.Translator(OUT, compute_type='int8')")
     p.add_argument("--check_subset", default="valid", help="the split whose first sentences check the export")
     p.add_argument("--check_sentences", type=int, default=CHECK_SENTENCES, metavar="N",
                    help=f"how many sentences to check (default {CHECK_SENTENCES}; at least 1)")
@@ -48,6 +54,13 @@ def check_arguments(args) -> None:
         raise NormplugError(f"no such checkpoint: {args.model_path}")
     if os.path.lexists(args.output_dir) and not args.force:
         raise NormplugError(f"--output_dir {args.output_dir} already exists; pass --force to replace it")
+    if args.quantization:
+        raise NormplugError(f"--quantization {args.quantization}: the export is float32, the form that is checked "
+                            f"against the checkpoint; choose the precision when loading it: "
+                            f"ctranslate2.Translator('{args.output_dir}', compute_type='{args.quantization}')")
+    for flag, path in (("--user_dir", args.user_dir), ("--vocab_mapping", args.vocab_mapping)):
+        if path and not os.path.exists(path):
+            raise NormplugError(f"{flag} {path}: no such file or folder")
     if args.check_sentences < 1:
         raise NormplugError(f"--check_sentences {args.check_sentences}: the export is always checked, "
                             f"give at least 1 sentence")
@@ -62,8 +75,13 @@ def export(args) -> str:
     check_arguments(args)
     from fairseq_normplug.export.ct2_convert import convert_and_check, refuse_difference
 
+    if args.user_dir:
+        from fairseq.utils import import_user_module
+
+        import_user_module(argparse.Namespace(user_dir=args.user_dir))
     with atomic_output_dir(args.output_dir, replace=args.force) as work_dir:
-        result = convert_and_check(args.model_path, args.data_dir, work_dir, args.check_subset, args.check_sentences)
+        result = convert_and_check(args.model_path, args.data_dir, work_dir, args.check_subset, args.check_sentences,
+                                   vocab_mapping=args.vocab_mapping)
         refuse_difference(result, args.output_dir)
     return (f"exported {args.model_path} to {args.output_dir}: greedy translations of {len(result.reference)} "
             f"{result.split} sentences identical to the checkpoint's ({result.identical}/{len(result.reference)})")

@@ -119,9 +119,11 @@ def refuse_difference(result: CheckResult, output_dir: str) -> None:
         f"{result.identical}/{len(result.reference)} identical); nothing was written to {output_dir}")
 
 
-def convert_and_check(model_path: str, data_dir: str, work_dir: str, split: str, count: int) -> CheckResult:
+def convert_and_check(model_path: str, data_dir: str, work_dir: str, split: str, count: int,
+                      vocab_mapping: Optional[str] = None) -> CheckResult:
     """Convert ``model_path`` into ``work_dir`` (a fresh folder: CTranslate2's ``convert``
-    replaces it) and check it; a refusal or a failed check raises NormplugError."""
+    replaces it; ``vocab_mapping`` copied in as its converter does) and check it; a refusal or a
+    failed check raises NormplugError."""
     converter = NormplugFairseqConverter(model_path, data_dir)
-    converter.convert(work_dir, force=True)
+    converter.convert(work_dir, vmap=vocab_mapping, force=True)
     return check_export(converter, work_dir, split, count)
