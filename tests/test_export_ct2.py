@@ -121,6 +121,26 @@ def test_the_export_translates_as_fairseq_generate_does(checkpoints, tiny_bin, t
     assert sorted(os.listdir(tmp_path)) == ["ct2"]  # no temporary folder left
 
 
+def test_the_recipes_output_layer_exports_exactly(tiny_bin, tmp_path):
+    """The authors' output layer (--target-vocab-mask --output-bias) with the full method: a masked
+    type given the largest output bias would win every step without the mask; the export keeps
+    it at probability 0, as the model does (the check passes), and never emits it."""
+    model, task, args = build(tiny_bin, TINY, "--prenorm", "--fixnorm", "--scalenorm", "--smallinit",
+                              "--target-vocab-mask", "--output-bias", seed=0)
+    dictionary = task.target_dictionary
+    masked = next(int(i) for i in (~model.decoder.target_vocab_mask.allowed).nonzero()
+                  if dictionary[int(i)].isalpha() and dictionary[int(i)].islower()
+                  and not dictionary[int(i)].startswith("madeupword"))  # a source word (joined dictionary)
+    with torch.no_grad():
+        model.decoder.output_projection.bias[masked] = 100.0
+    checkpoint = save_checkpoint(model, args, tmp_path / "recipe.pt")
+    code, stdout, stderr = export(checkpoint, tiny_bin, tmp_path / "ct2", "--check_sentences", "5")
+    assert code == 0 and "(5/5)" in stdout, stderr
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)
+    words = translator.translate_batch([["zo", "tu"]], beam_size=1, max_decoding_length=20)[0].hypotheses[0]
+    assert words and dictionary[masked] not in words
+
+
 def assert_refused(code, stderr, output, *words):
     """One line on stderr (no traceback) naming every one of ``words``, exit status 2, no
     output and no temporary folder beside it."""

@@ -108,6 +108,11 @@ def check_export(converter: NormplugFairseqConverter, model_dir: str, split: str
     return CheckResult(split, sources, reference, exported)
 
 
+def shown(tokens: List[str], limit: int = 12) -> str:
+    """The first ``limit`` tokens of a translation, for a one-line message."""
+    return " ".join(tokens[:limit]) + (f" ... ({len(tokens)} tokens)" if len(tokens) > limit else "")
+
+
 def refuse_difference(result: CheckResult, output_dir: str) -> None:
     """A failed check as one line: how many agree, and the first sentence that does not."""
     first = result.first_difference()
@@ -115,7 +120,7 @@ def refuse_difference(result: CheckResult, output_dir: str) -> None:
         return
     raise NormplugError(
         f"the CTranslate2 export translates {result.split} sentence {first} differently from the checkpoint "
-        f"(greedy: {' '.join(result.exported[first])!r} instead of {' '.join(result.reference[first])!r}; "
+        f"(greedy: {shown(result.exported[first])!r} instead of {shown(result.reference[first])!r}; "
         f"{result.identical}/{len(result.reference)} identical); nothing was written to {output_dir}")
 
 
