@@ -45,9 +45,13 @@ def remove_stale_temporaries(directory: str) -> List[str]:
         match = TEMPORARY.match(name)
         if match and match.group("host") == host and int(match.group("pid")) != os.getpid() \
                 and not _alive(int(match.group("pid"))):
+            path = os.path.join(directory, name)
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, name))
-                removed.append(os.path.join(directory, name))
+                if os.path.isdir(path) and not os.path.islink(path):  # an atomic_output_dir's folder
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+                removed.append(path)
     return removed
 
 
@@ -81,6 +85,36 @@ def atomic_output(path: str) -> Iterator[str]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(path: str, replace: bool = False) -> Iterator[str]:
+    """Yield a new empty temporary folder next to the folder ``path``; when the block succeeds,
+    rename it to ``path`` (readers see no folder or the whole one), else delete it. An existing
+    ``path`` is refused before the block runs (FileExistsError) unless ``replace``: then it is
+    swapped out and deleted only once the new folder is in place. The temporary folders killed
+    writers left are deleted first (:func:`remove_stale_temporaries`)."""
+    target = os.path.abspath(path)
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    if os.path.lexists(target) and not replace:
+        raise FileExistsError(f"{path} already exists")
+    remove_stale_temporaries(directory)
+    tmp = _new_temporary_file(directory, "." + os.path.basename(target) + ".", ".tmp")
+    os.remove(tmp)
+    os.mkdir(tmp)
+    old = None
+    try:
+        yield tmp
+        if os.path.lexists(target):
+            old = _new_temporary_file(directory, "." + os.path.basename(target) + ".", ".tmp")
+            os.remove(old)
+            os.rename(target, old)
+        os.rename(tmp, target)
+    finally:
+        for leftover in (tmp, old):
+            if leftover and os.path.lexists(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
 
 
 def write_text_atomic(path: str, text: str) -> None:

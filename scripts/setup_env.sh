@@ -81,17 +81,18 @@ if ! "$VENV/bin/python" -c 'import fairseq' >/dev/null 2>&1; then
   log "building $fairseq_req (compiles C++/Cython extensions: a few minutes, once)"
   "${PIPC[@]}" --no-build-isolation --no-deps "$fairseq_req"
 fi
-# the plugin with its requirements (fairseq's runtime ones, tensorboardX, ...; pyproject.toml)
+# the plugin with its requirements (fairseq's runtime ones, tensorboardX, ...; pyproject.toml), the
+# test tools and the optional CTranslate2 export (extras test, export), so every test runs
 # pip's resolver reports fairseq's torchaudio requirement, left out on purpose (above), as an
 # "ERROR" the user can do nothing about: that one report is not shown, all else pip says is;
 # setuptools' note on editable installs is silenced (PYTHONWARNINGS reaches the build backend)
 plugin_log="$VENV/normplug-plugin-install.log"
 status=0
-PYTHONWARNINGS=ignore "${PIPC[@]}" --no-build-isolation -e "$ROOT[test]" 2> "$plugin_log" || status=$?
+PYTHONWARNINGS=ignore "${PIPC[@]}" --no-build-isolation -e "$ROOT[test,export]" 2> "$plugin_log" || status=$?
 grep -v -e "requires torchaudio" -e "^ERROR: pip's dependency resolver does not currently take into account" \
   "$plugin_log" >&2 || true
 if [ "$status" != 0 ]; then
-  log "FAILED (exit status $status): pip install -e $ROOT[test]; set-up is not recorded as done, the next run starts again"
+  log "FAILED (exit status $status): pip install -e $ROOT[test,export]; set-up is not recorded as done, the next run starts again"
   exit "$status"
 fi
 "$VENV/bin/python" -c 'import fairseq_normplug'

@@ -55,7 +55,7 @@ SLOW_FILES = ("test_cli.py", "test_prepare.py", "test_trust.py", "test_one_owner
               "test_lr_schedulers_cli.py", "test_wheel.py", "test_hub.py", "test_entry_points.py", "test_demo.py",
               "test_precision.py", "test_beyond.py", "test_cpu_converge.py", "test_figures.py", "test_placements.py",
               "test_admin.py",
-              "test_zero_centered_gamma.py", "test_norm_weight_decay.py", "test_normformer.py")
+              "test_zero_centered_gamma.py", "test_norm_weight_decay.py", "test_normformer.py", "test_export_ct2.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -126,3 +126,36 @@ def assert_training_steps_reach_every_parameter(model, task, args, after_first_b
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     return losses
+
+
+def train_briefly(model, task, updates=40, lr=3e-3, epochs=1, max_tokens=1200):
+    """Train ``model`` in float32 on the tiny corpus (Adam, cross entropy) for up to ``updates``
+    batches of ``max_tokens`` tokens within ``epochs`` passes over it; return the first and last losses."""
+    task.load_dataset("train")
+    iterator = task.get_batch_iterator(task.dataset("train"), max_tokens=max_tokens, seed=1)
+    batches = (sample for _ in range(epochs) for sample in iterator.next_epoch_itr(shuffle=True))
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for _, sample in zip(range(updates), batches):
+        logits, _ = model(**sample["net_input"])
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), sample["target"].view(-1),
+                                                 ignore_index=task.target_dictionary.pad())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses[0], losses[-1]
+
+
+def save_checkpoint(model, args, path):
+    """``model`` with its training ``args`` as a fairseq checkpoint at ``path`` (what
+    fairseq-generate, the hub and the plugin's tools load)."""
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(convert_namespace_to_omegaconf(args), resolve=True, enum_to_str=True)
+    torch.save({"cfg": cfg, "model": model.state_dict(), "args": None, "extra_state": {},
+                "optimizer_history": [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                                       "lr_scheduler_state": {}, "num_updates": 0}]}, str(path))
+    return str(path)

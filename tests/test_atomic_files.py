@@ -92,3 +92,35 @@ def test_a_writer_killed_inside_its_atomic_write_leaves_nothing_after_the_next_w
     assert [name for name in os.listdir(tmp_path) if name.startswith(".fig1_dev_bleu.png.")]
     write_text_atomic(str(tmp_path / "results.md"), "table\n")
     assert os.listdir(tmp_path) == ["results.md"]
+
+
+def test_atomic_output_dir_renames_a_whole_folder_or_leaves_nothing(tmp_path):
+    """A folder written through atomic_output_dir (an exported model) appears whole on success;
+    a failure leaves no folder and no temporary one; an existing folder is refused unless
+    ``replace``, and then replaced whole."""
+    from fairseq_normplug.atomic_files import atomic_output_dir
+
+    target = tmp_path / "model"
+    with pytest.raises(RuntimeError):
+        with atomic_output_dir(str(target)) as tmp:
+            open(os.path.join(tmp, "model.bin"), "w").write("half")
+            raise RuntimeError("check failed")
+    assert os.listdir(tmp_path) == []
+    with atomic_output_dir(str(target)) as tmp:
+        open(os.path.join(tmp, "model.bin"), "w").write("new")
+    assert os.listdir(tmp_path) == ["model"] and (target / "model.bin").read_text() == "new"
+    with pytest.raises(FileExistsError):
+        with atomic_output_dir(str(target)):
+            pass
+    with atomic_output_dir(str(target), replace=True) as tmp:
+        open(os.path.join(tmp, "vocab.txt"), "w").write("v")
+    assert os.listdir(tmp_path) == ["model"] and os.listdir(target) == ["vocab.txt"]
+
+
+def test_a_dead_writers_temporary_folder_is_removed(tmp_path):
+    from fairseq_normplug.atomic_files import _host_tag, remove_stale_temporaries
+
+    stale = tmp_path / f".model.{_host_tag()}-999999999-0123abcd.tmp"
+    stale.mkdir()
+    (stale / "model.bin").write_text("x")
+    assert remove_stale_temporaries(str(tmp_path)) == [str(stale)] and os.listdir(tmp_path) == []

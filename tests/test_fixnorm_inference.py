@@ -8,7 +8,7 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
-from model_helpers import build
+from model_helpers import build, train_briefly
 
 TINY = "transformer_normplug_tiny"
 
@@ -73,25 +73,6 @@ def test_training_path_is_not_cached(embedding):
     assert embedding.normalized_weight().requires_grad and embedding._cache is None
     embedding(torch.tensor([0, 1, 2])).sum().backward()
     assert embedding.weight.grad[[0, 2]].abs().sum() > 0 and embedding.weight.grad[1].abs().max() == 0
-
-
-def train_briefly(model, task, updates=40):
-    """Train ``model`` in float32 on the tiny corpus (Adam, cross entropy); return the first
-    and last losses."""
-    task.load_dataset("train")
-    batches = task.get_batch_iterator(task.dataset("train"), max_tokens=1200, seed=1).next_epoch_itr(shuffle=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    losses = []
-    for _, sample in zip(range(updates), batches):
-        logits, _ = model(**sample["net_input"])
-        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), sample["target"].view(-1),
-                                                 ignore_index=task.target_dictionary.pad())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses[0], losses[-1]
 
 
 def teacher_forced_scores(model, task, src, lengths, tokens):

@@ -166,8 +166,10 @@ def test_pyproject_and_install_plan_agree():
     extras = project["optional-dependencies"]
     assert {r.split(">")[0] for r in extras["test"]} == {"pytest", "pytest-timeout", "pytest-xdist", "submitit"}
     assert extras["slurm"] == ["submitit>=1.5"]
+    assert extras["export"] == ["ctranslate2>=4.5"]
     assert project["scripts"] == {"fairseq-normplug-path": "fairseq_normplug.cli:print_user_dir",
-                                  "fairseq-normplug-hydra-train": "fairseq_normplug.hydra_train:cli_main"}
+                                  "fairseq-normplug-hydra-train": "fairseq_normplug.hydra_train:cli_main",
+                                  "fairseq-normplug-ct2": "fairseq_normplug.export.ct2:main"}
 
 
 def test_every_test_has_a_time_limit(request):

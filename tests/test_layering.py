@@ -23,6 +23,7 @@ LAYERS = (
     {"checkpoint_safety"},        # checkpoints of a finished or killed run
     {"experiments"},              # runner, tables, figures
     {"diagnostics", "bench"},
+    {"export"},                   # fairseq-normplug-ct2: loads a checkpoint as diagnostics does, writes CTranslate2
     {"__init__"},
     {"hydra_train"},              # fairseq-normplug-hydra-train: imports the plugin, then fairseq's hydra entry
 )

@@ -72,6 +72,8 @@ def test_the_wheel_holds_the_package_its_cpp_source_and_its_metadata(wheel):
     assert 'submitit>=1.5; extra == "slurm"' in requires and 'pytest-timeout>=2.1; extra == "test"' in requires
     assert "fairseq-normplug-path = fairseq_normplug.cli:print_user_dir" in entry_points
     assert "fairseq-normplug-hydra-train = fairseq_normplug.hydra_train:cli_main" in entry_points
+    assert "fairseq-normplug-ct2 = fairseq_normplug.export.ct2:main" in entry_points
+    assert 'ctranslate2>=4.5; extra == "export"' in requires
 
 
 @pytest.fixture(scope="module")
