@@ -43,7 +43,7 @@ from fairseq_normplug.numeric_flags import number_flag
 from fairseq_normplug.models.placements.base import Modifier, flag, register_modifier
 
 #: placements whose layers carry several streams concatenated along the features (2d or n*d wide)
-MULTI_STREAM_PLACEMENTS = ("resi-dual", "siamese", "hyper-connections")
+MULTI_STREAM_PLACEMENTS = ("resi-dual", "siamese", "hyper-connections", "attention-residuals")
 
 
 class DepthWeightedAverages(nn.Module):
