@@ -363,7 +363,8 @@ PLACEMENT = "--norm-placement attention-residuals"
 @pytest.mark.parametrize("flags,message", [
     (["--residual-scale", "rezero"], f"--residual-scale rezero cannot be combined with {PLACEMENT}"),
     (["--residual-scale", "deepnorm"], f"--residual-scale deepnorm cannot be combined with {PLACEMENT}"),
-    (["--weight-init", "tfixup", "--norm-type", "identity"], f"--weight-init tfixup cannot be combined with {PLACEMENT}"),
+    (["--weight-init", "tfixup", "--norm-type", "identity"],
+     f"--weight-init tfixup cannot be combined with {PLACEMENT}"),
     (["--encoder-layerdrop", "0.1"], f"--encoder-layerdrop 0.1 cannot be combined with {PLACEMENT}"),
     (["--decoder-layers-to-keep", "0"], f"--decoder-layers-to-keep cannot be combined with {PLACEMENT}"),
     (["--attn-res-blocks", "3"], "--attn-res-blocks 3 does not divide the encoder's 2 layers; choose one of 1, 2"),
@@ -373,7 +374,7 @@ PLACEMENT = "--norm-placement attention-residuals"
     (["--denseformer"], f"--denseformer cannot be combined with {PLACEMENT}"),
     (["--normformer"], "--normformer needs the PreNorm placement"),
     (["--layernorm-scaling"], f"--layernorm-scaling cannot be combined with {PLACEMENT}"),
-    (["--gpas"], f"--gpas is defined on"),
+    (["--gpas"], "--gpas is defined on"),
     (["--ngpt"], f"--ngpt cannot be combined with {PLACEMENT}"),
 ])
 def test_refusals_are_one_line(tiny_bin, flags, message):
