@@ -248,16 +248,16 @@ def test_weights_are_per_token_softmax_over_depth_and_uniform_at_init():
     torch.manual_seed(0)
     aggregation = DepthAttention(8)
     sources = [torch.randn(5, 3, 8) for _ in range(4)]
-    uniform = aggregation.weights(torch.stack(sources))
+    uniform = aggregation.weights(sources)
     assert torch.allclose(uniform, torch.full_like(uniform, 0.25))
     assert torch.allclose(aggregation(sources), torch.stack(sources).mean(0), atol=1e-6)
     with torch.no_grad():
         aggregation.query.normal_()
-    weights = aggregation.weights(torch.stack(sources))
+    weights = aggregation.weights(sources)
     assert weights.shape == (4, 5, 3) and torch.allclose(weights.sum(0), torch.ones(5, 3))
     assert (weights.std(dim=(1, 2)) > 1e-3).all()  # the weights differ from position to position
     # a source scaled up does not dominate: the keys are RMS-normalised
-    assert torch.allclose(weights, aggregation.weights(torch.stack([s * 10 for s in sources])), atol=1e-4)
+    assert torch.allclose(weights, aggregation.weights([s * 10 for s in sources]), atol=1e-4)
 
 
 # ---- structure ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Attention Residuals (Kimi Team, "Attention Residuals", 2026, arXiv:2603.15031; authors' code
 MoonshotAI/Attention-Residuals, whose code is the "PyTorch-style pseudocode" block of its
-``README.md``, the paper's Figure 2: ``block_attn_res`` and the layer's ``forward``): each
+``README.md``, the paper's Figure 2: ``block_attn_res`` and the layer's ``forward``; the repository
+could not be fetched here, the block was read as public copies quote it, so no line numbers): each
 sublayer's input is a softmax-weighted sum over depth of the earlier sublayer outputs and the
 embedding output, in place of PreNorm's unit-weight residual sum,
 
@@ -38,25 +39,26 @@ encoder's output, its output one more source.
 Between layers the sources travel concatenated along the feature axis (Full: 1 + the number of
 sublayers so far, d each; Block: the completed blocks and the partial sum; ``return_all_hiddens``
 states of inner layers are that wide), the last layer returns d; no state lives outside the
-tensors, so ``--checkpoint-activations`` recomputes a layer from its own input. The logits and
-softmax are computed in float32 under fp16/bf16. Refused, one line: any ``--residual-scale`` and
-``--weight-init tfixup`` (there is no x + F(x) residual to scale), LayerDrop and
-``--*-layers-to-keep`` (every layer's outputs are sources of the later ones), an N that does not
-divide a stack's layers; ``--denseformer``, ``--normformer``, ``--layernorm-scaling``, ``--gpas``
-and ``--ngpt`` refuse this placement themselves. ``--value-residual`` composes (its V_1 channels
-travel behind the sources).
+tensors, so ``--checkpoint-activations`` recomputes a layer from its own input. The logits, the
+softmax and the weighted sum are computed in float32 under fp16/bf16. The pseudo-queries and key
+gains are not norm slots: they get the ordinary ``--weight-decay``, not ``--norm-weight-decay``.
+Refused, one line: any ``--residual-scale`` and ``--weight-init tfixup`` (there is no x + F(x)
+residual to scale), LayerDrop and ``--*-layers-to-keep`` (every layer's outputs are sources of
+the later ones), an N that does not divide a stack's layers; ``--denseformer``,
+``--normformer``, ``--layernorm-scaling``, ``--gpas`` and ``--ngpt`` refuse this placement
+themselves. ``--value-residual`` composes (its V_1 channels travel behind the sources).
 """
 from typing import List, Optional
 
 import torch
 from torch import Tensor, nn
 
-from fairseq_normplug.modules.fused import upcast
+from fairseq_normplug.modules.float32_params import HALF_DTYPES
 from fairseq_normplug.numeric_flags import number_flag
 
 from fairseq_normplug.models.placements.base import Placement, flag, register_placement
 
-#: eps of the key norm RMSNorm(v_i) (the pseudocode leaves it open: the RMSNorm default of torch's ports)
+#: eps of the key norm RMSNorm(v_i): the pseudocode leaves it open; the plugin's RMSNorm default
 KEY_NORM_EPS = 1e-5
 #: the sublayer kinds, in a layer's order, each with its own pseudo-query
 KINDS = ("attn", "cross", "ffn")
@@ -73,19 +75,28 @@ class DepthAttention(nn.Module):
         self.query = nn.Parameter(torch.zeros(dim))
         self.key_norm_weight = nn.Parameter(torch.ones(dim))
 
-    def weights(self, values: Tensor) -> Tensor:
-        """softmax over depth (dim 0) of w . RMSNorm(v_i), per position, for the stacked sources
-        ``values`` (S, ..., d); in float32 for fp16/bf16 values."""
-        values = upcast(values)
-        keys = values * torch.rsqrt(values.pow(2).mean(dim=-1, keepdim=True) + KEY_NORM_EPS)
-        logits = (keys * self.key_norm_weight.to(values.dtype)) @ self.query.to(values.dtype)
-        return logits.softmax(dim=0)
+    def weights(self, sources: List[Tensor]) -> Tensor:
+        """alpha (S, ...): softmax over depth of w . RMSNorm(v_i) = (v_i . (g w)) / rms(v_i) per
+        position, for the sources v_i (each (..., d)). Source by source, reductions in float32
+        for fp16/bf16 sources, so the backward keeps references to the sources, not stacked or
+        upcast copies."""
+        compute = torch.float32 if sources[0].dtype in HALF_DTYPES else sources[0].dtype
+        gained_query = (self.key_norm_weight * self.query).to(sources[0].dtype)
+        width = sources[0].size(-1)
+        logits = []
+        for source in sources:
+            mean_square = torch.linalg.vector_norm(source, dim=-1, dtype=compute).square() / width
+            logits.append((source * gained_query).sum(dim=-1, dtype=compute) * torch.rsqrt(mean_square + KEY_NORM_EPS))
+        return torch.stack(logits).softmax(dim=0)
 
     def forward(self, sources: List[Tensor]) -> Tensor:
-        """h = sum_i alpha_i v_i over ``sources`` (each (..., d)), in their dtype."""
-        values = torch.stack(sources)
-        mixed = (self.weights(values).unsqueeze(-1) * upcast(values)).sum(dim=0)
-        return mixed.to(values.dtype)
+        """h = sum_i alpha_i v_i over ``sources`` (each (..., d)), summed in float32 for fp16/bf16,
+        returned in their dtype."""
+        alpha = self.weights(sources).unsqueeze(-1)
+        mixed = alpha[0] * sources[0]
+        for weight, source in zip(alpha[1:], sources[1:]):
+            mixed = mixed + weight * source
+        return mixed.to(sources[0].dtype)
 
 
 @register_placement("attention-residuals")
