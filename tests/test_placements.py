@@ -194,6 +194,7 @@ EXPECTED_NORMS = {
     | layer_names("dec", 2, ["hc_attn", "hc_cross", "hc_ffn"]),
     "keel": POST | layer_names("enc", 2, ["keel_attn_in", "keel_ffn_in"])
     | layer_names("dec", 2, ["keel_attn_in", "keel_cross_in", "keel_ffn_in"]),
+    "attention-residuals": POST | {"enc.final", "dec.final"},
 }
 
 

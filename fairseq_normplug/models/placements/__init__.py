@@ -25,6 +25,7 @@ from fairseq_normplug.models.placements import value_residual  # noqa: F401,E402
 from fairseq_normplug.models.placements import sigma_reparam  # noqa: F401,E402
 from fairseq_normplug.models.placements import denseformer  # noqa: F401,E402
 from fairseq_normplug.models.placements import keel  # noqa: F401,E402
+from fairseq_normplug.models.placements import attention_residuals  # noqa: F401,E402
 
 
 def placement_label(name: str, modifiers=()) -> str:

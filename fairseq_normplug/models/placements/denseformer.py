@@ -27,8 +27,8 @@ mixes the same position across depth only, so in incremental decoding the new po
 average needs only its own block outputs of this step: no cache.
 
 Refused: placements whose layers pass several residual streams concatenated
-(``resi-dual``, ``siamese``, ``hyper-connections``: the block outputs are not one d-wide stream to
-average), ``--ngpt`` (its hidden states live on the unit sphere, which an average leaves) and
+(``resi-dual``, ``siamese``, ``hyper-connections``, ``attention-residuals``: the block outputs
+are not one d-wide stream to average), ``--ngpt`` (its hidden states live on the unit sphere, which an average leaves) and
 LayerDrop (a skipped block has no output to average). Channels that a modifier appends to the
 stream beyond its d (``--value-residual`` carries the first layer's values V_1 so) pass on unaveraged.
 """
@@ -43,7 +43,7 @@ from fairseq_normplug.numeric_flags import number_flag
 from fairseq_normplug.models.placements.base import Modifier, flag, register_modifier
 
 #: placements whose layers carry several streams concatenated along the features (2d or n*d wide)
-MULTI_STREAM_PLACEMENTS = ("resi-dual", "siamese", "hyper-connections")
+MULTI_STREAM_PLACEMENTS = ("resi-dual", "siamese", "hyper-connections", "attention-residuals")
 
 
 class DepthWeightedAverages(nn.Module):
@@ -117,7 +117,8 @@ class DenseFormer(Modifier):
             "--denseformer", action="store_true",
             help="DenseFormer (Pagliardini et al. 2024): after each block, a learned weighted average of the "
                  "embedding output and all block outputs so far (identity init), in the encoder and the "
-                 "decoder; every norm type; not with resi-dual, siamese, hyper-connections, --ngpt, LayerDrop")
+                 "decoder; every norm type; not with resi-dual, siamese, hyper-connections, attention-residuals, "
+                 "--ngpt, LayerDrop")
         parser.add_argument(
             "--denseformer-dilation", metavar="K", **number_flag(int, at_least=1, note="the DWA dilation"),
             help="--denseformer: average only the outputs X_j with j = i+1 (mod K) after block i "
