@@ -15,8 +15,8 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.models.placements.attention_residuals import KEY_NORM_EPS, DepthAttention
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full,
-                           norm_type_flags, randomized, toy_batch)
+from model_helpers import (assert_incremental_equals_full, assert_training_steps_reach_every_parameter, build,
+                           incremental_and_full, norm_type_flags, one_backward, randomized, toy_batch)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 from test_sigma_reparam import train_and_generate
 
@@ -25,20 +25,6 @@ ATTNRES = ("--norm-placement", "attention-residuals")
 FOUR_LAYERS = ("--encoder-layers", "4", "--decoder-layers", "4")
 VARIANTS = {"full": (), "block2": ("--attn-res-blocks", "2"), "block1": ("--attn-res-blocks", "1"),
             "block4": ("--attn-res-blocks", "4")}
-
-
-def one_backward(model, task):
-    model.train()
-    torch.manual_seed(0)
-    src, lengths, prev = toy_batch(task)
-    model(src, lengths, prev)[0].pow(2).mean().backward()
-    return {name: p.grad for name, p in model.named_parameters()}
-
-
-def assert_incremental_equals_full(model, task):
-    steps, full = incremental_and_full(randomized(model, seed=1), task)
-    assert torch.isfinite(full).all()
-    assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
 
 
 # ---- the authors' code, transcribed (MoonshotAI/Attention-Residuals README.md, "PyTorch-style pseudocode") ----

@@ -13,21 +13,13 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.denseformer import MULTI_STREAM_PLACEMENTS, DepthWeightedAverages
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full,
-                           norm_type_flags, randomized, toy_batch)
+from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full, norm_type_flags,
+                           one_backward, randomized, toy_batch)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 from test_sigma_reparam import train_and_generate
 
 TINY = "transformer_normplug_tiny"
 COMPOSING = [name for name in PLACEMENTS if name not in MULTI_STREAM_PLACEMENTS]
-
-
-def one_backward(model, task):
-    model.train()
-    torch.manual_seed(0)
-    src, lengths, prev = toy_batch(task)
-    model(src, lengths, prev)[0].pow(2).mean().backward()
-    return {name: p.grad for name, p in model.named_parameters()}
 
 
 def randomize_alphas(model, seed=3):

@@ -12,7 +12,7 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.gated_attention import gate_out_proj_input
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import build, incremental_and_full, norm_type_flags, randomized, toy_batch
+from model_helpers import build, incremental_and_full, norm_type_flags, one_backward, randomized, toy_batch
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
 TINY = "transformer_normplug_tiny"
@@ -24,14 +24,6 @@ def attentions(model):
             for side, stack in (("enc", model.encoder), ("dec", model.decoder))
             for i, layer in enumerate(stack.layers) for name in ("self_attn", "encoder_attn")
             if getattr(layer, name, None) is not None]
-
-
-def one_backward(model, task):
-    model.train()
-    torch.manual_seed(0)
-    src, lengths, prev = toy_batch(task)
-    model(src, lengths, prev)[0].pow(2).mean().backward()
-    return {name: p.grad for name, p in model.named_parameters()}
 
 
 def test_every_attention_gets_a_gate_and_the_flag_off_gets_none(tiny_bin):

@@ -19,7 +19,8 @@ from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.models.norm_types_per_layer import parse_norm_types_per_layer
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.modules.norm_registry import NORM_TYPES, norm_type_of
-from model_helpers import build, incremental_and_full, parse_args, randomized, toy_batch
+from model_helpers import (assert_every_parameter_trains, assert_incremental_equals_full, build,
+                           incremental_and_full, one_backward, parse_args, randomized, toy_batch)
 
 TINY = "transformer_normplug_tiny"
 LAYERS = ("--encoder-layers", "4", "--decoder-layers", "3")
@@ -27,28 +28,6 @@ LAYERS = ("--encoder-layers", "4", "--decoder-layers", "3")
 
 def types(model):
     return {name: norm_type_of(norm) for name, norm in named_norms(model).items()}
-
-
-def one_backward(model, task):
-    model.train()
-    torch.manual_seed(0)
-    src, lengths, prev = toy_batch(task)
-    model(src, lengths, prev)[0].pow(2).mean().backward()
-    return {name: p.grad for name, p in model.named_parameters()}
-
-
-def assert_every_parameter_trains(model, task):
-    grads = one_backward(model, task)
-    missing = [name for name, grad in grads.items() if grad is None or not grad.abs().sum() > 0]
-    assert not missing, missing
-    assert all(torch.isfinite(grad).all() for grad in grads.values())
-
-
-def assert_incremental_equals_full(model, task):
-    """Within 1e-5 of the output's scale."""
-    steps, full = incremental_and_full(randomized(model, seed=1), task)
-    assert torch.isfinite(full).all()
-    assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
 
 
 def test_the_issue_example_builds_the_types_it_names(tiny_bin):

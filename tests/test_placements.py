@@ -16,8 +16,9 @@ from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.mix import post_layers
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.rms_norm import RMSNorm
-from model_helpers import (assert_incremental_matches_full, assert_same_model, assert_training_steps_reach_every_parameter,
-                           build, norm_type_flags, parse_args, randomized, toy_batch)
+from model_helpers import (assert_incremental_matches_full, assert_same_model,
+                           assert_training_steps_reach_every_parameter, build, norm_type_flags, one_backward,
+                           parse_args, randomized, toy_batch)
 from test_cli import log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
@@ -406,15 +407,6 @@ def test_b2t_rescales_the_layer_weights_as_the_authors_code(tiny_bin):
 #: every placement, and the modifiers on the placement they are defined for
 DESIGNS = {**{name: ["--norm-placement", name] for name in PLACEMENT_NAMES},
            "pre+normformer": ["--prenorm", "--normformer"], "pre+layernorm-scaling": ["--prenorm", "--layernorm-scaling"]}
-
-
-def one_backward(model, task, seed=0):
-    """Gradients of one training forward/backward on the toy sample (dropout on, seeded)."""
-    model.train()
-    torch.manual_seed(seed)
-    src, lengths, prev = toy_batch(task)
-    model(src, lengths, prev)[0].float().pow(2).mean().backward()
-    return {name: p.grad for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("design", list(DESIGNS))

@@ -15,8 +15,8 @@ from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.sigma_reparam import (SpectralScale, install_sigma_reparam,
                                                              update_spectral_estimates)
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full,
-                           norm_type_flags, randomized, toy_batch)
+from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full, norm_type_flags,
+                           one_backward, randomized, toy_batch)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
 TINY = "transformer_normplug_tiny"
@@ -44,14 +44,6 @@ def reparameterized(model):
     """{name: linear} of the linears that carry a SpectralScale."""
     return {name: module for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and isinstance(getattr(module, "sigma_reparam", None), SpectralScale)}
-
-
-def one_backward(model, task):
-    model.train()
-    torch.manual_seed(0)
-    src, lengths, prev = toy_batch(task)
-    model(src, lengths, prev)[0].pow(2).mean().backward()
-    return {name: p.grad for name, p in model.named_parameters()}
 
 
 # ---- the authors' code, transcribed (apple/ml-sigma-reparam fea4e35, vision/layers.py) ------------

@@ -18,8 +18,9 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.value_residual import ValueResidualLayerMixin, mix_values
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full, norm_type_flags,
-                           randomized, toy_batch, toy_sample)
+from model_helpers import (assert_every_parameter_trains, assert_incremental_equals_full,
+                           assert_training_steps_reach_every_parameter, build, incremental_and_full, norm_type_flags,
+                           one_backward, randomized, toy_batch, toy_sample)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
 TINY = "transformer_normplug_tiny"
@@ -28,31 +29,6 @@ THREE_LAYERS = ("--encoder-layers", "3", "--decoder-layers", "3")
 
 def stacks(model):
     return (("enc", model.encoder), ("dec", model.decoder))
-
-
-def one_backward(model, task):
-    model.train()
-    torch.manual_seed(0)
-    src, lengths, prev = toy_batch(task)
-    model(src, lengths, prev)[0].pow(2).mean().backward()
-    return {name: p.grad for name, p in model.named_parameters()}
-
-
-def assert_every_parameter_trains(model, task):
-    grads = one_backward(model, task)
-    missing = [name for name, grad in grads.items() if grad is None or not grad.abs().sum() > 0]
-    assert not missing, missing
-    assert all(torch.isfinite(grad).all() for grad in grads.values())
-
-
-def assert_incremental_equals_full(model, task, dtype=torch.float32):
-    """Within 1e-5 of the output's scale in float32; in float64 (the compositions: randomised
-    parameters with some norm types, identity above all, amplify float32 rounding past 1e-5, which
-    float64 shows is rounding) within 1e-9."""
-    steps, full = incremental_and_full(randomized(model, seed=1).to(dtype), task)
-    assert torch.isfinite(full).all()
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-9
-    assert (steps - full).abs().max().item() < tolerance * max(1.0, full.abs().max().item())
 
 
 def test_every_self_attention_takes_part_and_cross_attention_does_not(tiny_bin):
