@@ -7,7 +7,6 @@ test says it expects one: the plugin's "falls back" warnings (``FALLBACK_WARNING
 this process (``pytest_configure``). On a machine without a C++ compiler the fallback is the
 documented behaviour, and neither check applies.
 """
-import contextlib
 import json
 import os
 import re
@@ -30,12 +29,6 @@ FALLBACK_WARNING = re.compile(r"fairseq-normplug: (native CPU norm kernels unava
                               r"torch\.compile of \S+ failed)[^\n]*")
 #: without a C++ compiler the native kernels and torch.compile's CPU code cannot be built
 FALLBACK_EXPECTED = shutil.which(os.environ.get("CXX", "c++")) is None
-#: test-only: scikit-learn and scipy.stats, which fairseq imports at start-up and the plugin never
-#: uses, are imported on first use in the commands tests run (tests/fast_start/sitecustomize.py)
-FAST_START = os.path.join(REPO, "tests", "fast_start")
-#: test-only fork server: commands start with torch and fairseq imported (its docstring)
-ZYGOTE = os.path.join(FAST_START, "_normplug_zygote.py")
-ZYGOTE_ENV = "NORMPLUG_TEST_ZYGOTE"
 #: a subprocess's default limit (below pytest-timeout's, pyproject.toml, so it fails first)
 COMMAND_TIMEOUT = 600
 
@@ -66,49 +59,23 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(scope="session", autouse=True)
 def scripts_use_this_environment():
     """The scripts a test runs (scripts/*.sh call scripts/setup_env.sh first) use the
-    environment the tests run in, as it is: set-up never installs anything during a test.
-    Their Python processes start faster: ``FAST_START`` is on their PYTHONPATH."""
+    environment the tests run in, as it is: set-up never installs anything during a test."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NORMPLUG_SETUP", "0")
         patch.setenv("NORMPLUG_VENV", os.path.dirname(BIN_DIR))
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAST_START, os.environ.get("PYTHONPATH")])))
-        with fork_server() as socket_path:
-            if socket_path:
-                patch.setenv(ZYGOTE_ENV, socket_path)
-            yield
+        yield
 
 
 @pytest.fixture(autouse=True)
 def environment_restored():
     """Each test leaves this process's environment as it found it, even one that changes it
     in-process (a benchmark's main sets its allocator variables): the commands of later tests
-    get the session's environment, the one the fork server was started with."""
+    get the session's environment."""
     saved = dict(os.environ)
     yield
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
-
-
-@contextlib.contextmanager
-def fork_server():
-    """The fork server of this session's commands (``ZYGOTE``), with the environment the
-    commands get; yields its socket's path (None with NORMPLUG_TEST_FORK_SERVER=0). Commands
-    start normally until it has imported torch and fairseq, a few seconds."""
-    if os.environ.get("NORMPLUG_TEST_FORK_SERVER") == "0":
-        yield None
-        return
-    folder = tempfile.mkdtemp(prefix="normplug-zygote-")
-    socket_path = os.path.join(folder, "socket")
-    with open(os.path.join(folder, "server.log"), "w") as log:
-        server = subprocess.Popen([sys.executable, ZYGOTE, socket_path], env=command_env({ZYGOTE_ENV: None}),
-                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    try:
-        yield socket_path
-    finally:
-        server.kill()
-        server.wait()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def cli(name: str) -> str:

@@ -11,6 +11,11 @@ them), ``print`` output, and the plugin's one-line refusals (``fairseq-normplug:
 exit status 2) where the installed ``sys.excepthook`` would print them. Any other exception
 is exit status 1 with its traceback on stderr, as an uncaught exception ends a process.
 
+Each call starts with fairseq's metrics as a new process has them (``metrics.reset()``), and
+what a process's exit would do is done at its end: fairseq's TensorBoard writers (one per log
+key, kept in a module-level dict and closed by an ``atexit`` hook) are closed and forgotten, so
+that the next command writes its own folder. One command at a time: fairseq's state is global.
+
 Use a real command (``run_cli``, in a test marked ``slow``) when the process is the subject:
 signals, exit codes of the shell scripts, set-up, several processes on one folder.
 """
@@ -62,6 +67,19 @@ def _environment(env: Optional[Dict[str, Optional[str]]]):
         os.environ.update(saved)
 
 
+def _end_of_process() -> None:
+    """What fairseq does at a process's exit and a later command must not inherit: its
+    TensorBoard writers (``fairseq.logging.progress_bar._tensorboard_writers``, closed by its
+    ``atexit`` hook ``_close_writers``) are closed and forgotten."""
+    from fairseq.logging import progress_bar
+
+    writers = getattr(progress_bar, "_tensorboard_writers", None)
+    if writers is None:
+        raise RuntimeError("fairseq.logging.progress_bar no longer has _tensorboard_writers: update tests/inprocess.py")
+    progress_bar._close_writers()
+    writers.clear()
+
+
 @contextlib.contextmanager
 def _captured_logging(stream):
     """Every log record of the block written to ``stream`` in fairseq's format, at fairseq's
@@ -80,22 +98,27 @@ def _captured_logging(stream):
 
 
 def run_fairseq(args: Sequence, cwd: Optional[str] = None, check: bool = True,
-                env: Optional[Dict[str, Optional[str]]] = None,
-                fallback_ok: bool = False) -> subprocess.CompletedProcess:
+                env: Optional[Dict[str, Optional[str]]] = None, fallback_ok: bool = False,
+                input: Optional[str] = None) -> subprocess.CompletedProcess:
     """Run the fairseq command line ``args`` (``args[0]``: ``fairseq-train``, ``fairseq-generate``,
     ``fairseq-interactive`` or ``fairseq-preprocess``, bare or as a path) in this process; see the
-    module docstring. ``check``: a non-zero exit fails the test with the output, as ``run_cli``."""
+    module docstring. ``check``: a non-zero exit fails the test with the output, as ``run_cli``;
+    ``input``: the command's standard input (fairseq-interactive reads its sentences there)."""
     from fairseq_normplug.errors import NormplugError
 
     args = [str(a) for a in args]
     command = os.path.basename(args[0])
     cli_main = _entry_point(command)
     out, err = io.StringIO(), io.StringIO()
-    saved_argv, saved_cwd = sys.argv, os.getcwd()
+    saved_argv, saved_cwd, saved_stdin = sys.argv, os.getcwd(), sys.stdin
     code = 0
+    from fairseq.logging import metrics
+
+    metrics.reset()  # a new process's aggregators: nothing logged by an earlier command leaks in
     with _environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
             _captured_logging(out):
         sys.argv = [command, *args[1:]]
+        sys.stdin = io.StringIO(input or "")
         try:
             if cwd is not None:
                 os.chdir(cwd)
@@ -111,8 +134,9 @@ def run_fairseq(args: Sequence, cwd: Optional[str] = None, check: bool = True,
             err.write(traceback.format_exc())
             code = 1
         finally:
-            sys.argv = saved_argv
+            sys.argv, sys.stdin = saved_argv, saved_stdin
             os.chdir(saved_cwd)
+            _end_of_process()
     proc = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
     if check and code != 0:
         raise AssertionError(failure_report(proc))

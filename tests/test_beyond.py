@@ -14,7 +14,8 @@ from fairseq import checkpoint_utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from omegaconf import OmegaConf
 
-from conftest import cli, run_cli
+from conftest import cli
+from inprocess import run_fairseq
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.models.placements import training_task
@@ -262,7 +263,6 @@ def test_train_steps_beam_search_and_checkpoint_reload(tiny_bin, tmp_path, name)
 
 # ---- the real command-line tools ----------------------------------------------------------
 
-@pytest.mark.slow
 def test_cli_train_and_generate(tiny_bin, tmp_path):
     """fairseq-train and fairseq-generate (beam search) with the new flags; the checkpoint
     carries QKNorm's g0, computed from the training data."""
@@ -270,9 +270,9 @@ def test_cli_train_and_generate(tiny_bin, tmp_path):
     proc = train(tiny_bin, save_dir, INCREMENTAL["qknorm-layerscale-learnable"], 6)
     assert "QKNorm: 97.5th percentile of 2000 training target lengths" in proc.stdout + proc.stderr
     checkpoint = str(save_dir / "checkpoint_last.pt")
-    gen = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
-                   "--beam", "3", "--cpu", "--max-tokens", "4000", "--gen-subset", "test",
-                   "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
+    gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
+                       "--beam", "3", "--cpu", "--max-tokens", "4000", "--gen-subset", "test",
+                       "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
     assert len([line for line in gen.stdout.splitlines() if line.startswith("H-")]) == 100
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     stored = state["cfg"]["model"].qknorm_g0

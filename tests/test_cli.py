@@ -1,4 +1,5 @@
-"""The plugin through fairseq's real command-line tools on a tiny generated corpus."""
+"""The plugin through fairseq's command-line tools on a tiny generated corpus: in this process
+(tests/inprocess.py), and as real commands where the process is the subject (marked slow)."""
 import json
 import os
 import struct
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, cli, run_cli, run_parallel
+from inprocess import run_fairseq
 
 USER_DIR = os.path.join(REPO, "fairseq_normplug")
 TRAIN_COMMON = [
@@ -27,7 +29,7 @@ COMBINATIONS = {
 def train(data_bin, save_dir, flags, max_update, arch="transformer_normplug_tiny", extra=()):
     args = [cli("fairseq-train"), data_bin, "--arch", arch, *TRAIN_COMMON, "--save-dir", str(save_dir),
             "--max-update", str(max_update), *flags, *extra]
-    return run_cli(args)
+    return run_fairseq(args)
 
 
 def log_records(proc, tag):
@@ -52,7 +54,6 @@ def trained(tiny_bin, tmp_path_factory):
     return runs
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_train_and_resume(trained, name):
     save_dir, first, resumed = trained[name]
@@ -82,7 +83,6 @@ def tensorboard_scalars(folder):
     return scalars
 
 
-@pytest.mark.slow
 def test_tensorboard_logdir_writes_the_logged_training_curve(trained):
     """The event files hold the numbers of the text log: every logged update's loss and lr."""
     save_dir, first, _ = trained["postnorm-layernorm"]
@@ -114,30 +114,28 @@ def test_generate_elsewhere_needs_the_user_dir_as_the_readme_says(trained, tiny_
     assert "argparse.Namespace" in without.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMBINATIONS))
 def test_generate_from_checkpoint(trained, tiny_bin, name):
     save_dir, _, _ = trained[name]
-    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
-                    os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "4", "--cpu",
-                    "--max-tokens", "4000", "--gen-subset", "test",
-                    # fairseq's main branch drops the last batch unless it is a multiple of this
-                    "--required-batch-size-multiple", "1"])
+    proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                        os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "4", "--cpu",
+                        "--max-tokens", "4000", "--gen-subset", "test",
+                        # fairseq's main branch drops the last batch unless it is a multiple of this
+                        "--required-batch-size-multiple", "1"])
     hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == 100
     assert not any("<pad>" in h for h in hypotheses)
     assert "BLEU4" in proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
 def test_interactive_and_hub_give_the_same_translation(trained, tiny_bin, tiny_raw):
     """fairseq-interactive and the hub translate a test sentence alike (same checkpoint,
     beam 2): the same hypothesis, with a finite log-probability score."""
     save_dir, _, _ = trained["prenorm-scalenorm-fixnorm-smallinit"]
     sentence = open(os.path.join(tiny_raw, "test.src")).readline()
-    proc = run_cli([cli("fairseq-interactive"), tiny_bin, "--user-dir", USER_DIR, "--path",
-                    os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--cpu", "--source-lang", "src",
-                    "--target-lang", "tgt"], input=sentence, timeout=300)
+    proc = run_fairseq([cli("fairseq-interactive"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                        os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--cpu", "--source-lang", "src",
+                        "--target-lang", "tgt"], input=sentence)
     (interactive,) = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-0\t")]
     _, score, text = interactive
     assert text.strip() and -1e3 < float(score) < 0
@@ -174,7 +172,6 @@ class RunsCodeWhenUnpickled:
         return os.makedirs, (self.marker,)
 
 
-@pytest.mark.slow
 def test_the_runner_reads_checkpoints_safely(trained, tmp_path):
     """experiments.runner.selected_checkpoint: the update and dev score of a real checkpoint;
     a file that would run code when unpickled is refused, and the code does not run."""
@@ -191,7 +188,6 @@ def test_the_runner_reads_checkpoints_safely(trained, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.slow
 def test_eval_bleu_validation_and_best_checkpoint(tiny_bin, tmp_path):
     """Dev BLEU every 10 updates (and at the epoch's end, update 17); checkpoint_best.pt is the
     checkpoint of the best BLEU (ties: the later one, as fairseq compares with >=) and records
@@ -199,11 +195,11 @@ def test_eval_bleu_validation_and_best_checkpoint(tiny_bin, tmp_path):
     from fairseq_normplug.experiments.runner import selected_checkpoint
 
     flags = [f for f in TRAIN_COMMON if f != "--disable-validation"]
-    proc = run_cli([cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *flags,
-                    "--prenorm", "--scalenorm", "--fixnorm", "--save-dir", str(tmp_path), "--max-update", "30",
-                    "--validate-interval-updates", "10", "--save-interval-updates", "10", "--eval-bleu",
-                    "--eval-bleu-args", '{"beam": 1}', "--best-checkpoint-metric", "bleu",
-                    "--maximize-best-checkpoint-metric"])
+    proc = run_fairseq([cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *flags,
+                        "--prenorm", "--scalenorm", "--fixnorm", "--save-dir", str(tmp_path), "--max-update", "30",
+                        "--validate-interval-updates", "10", "--save-interval-updates", "10", "--eval-bleu",
+                        "--eval-bleu-args", '{"beam": 1}', "--best-checkpoint-metric", "bleu",
+                        "--maximize-best-checkpoint-metric"])
     valid = log_records(proc, "valid")
     curve = [(int(r["valid_num_updates"]), float(r["valid_bleu"])) for r in valid]
     assert [u for u, _ in curve] == [10, 17, 20, 30]
@@ -227,7 +223,6 @@ def test_a_longer_run_learns(tiny_bin, tmp_path):
     assert losses[-1] < 0.6 * losses[0], losses
 
 
-@pytest.mark.slow
 def test_norm_stats_are_logged(tiny_bin, tmp_path):
     proc = train(tiny_bin, tmp_path, ["--prenorm", "--dyt", "--norm-stats-interval", "10"], 20,
                  extra=["--no-save"])
@@ -244,13 +239,12 @@ BAD_CLI = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("flags,message", BAD_CLI, ids=[" ".join(f) for f, _ in BAD_CLI])
 def test_bad_input_on_the_command_line(tmp_path, flags, message):
     """A one-line error with exit status 2 and no traceback, before any data is read
     (the data directory does not even exist)."""
-    proc = run_cli([cli("fairseq-train"), str(tmp_path / "no-such-data"), "--arch",
-                    "transformer_normplug_tiny", *TRAIN_COMMON, *flags], check=False)
+    proc = run_fairseq([cli("fairseq-train"), str(tmp_path / "no-such-data"), "--arch",
+                        "transformer_normplug_tiny", *TRAIN_COMMON, *flags], check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("fairseq-normplug: error:")]
@@ -344,9 +338,9 @@ def test_new_norm_types_train_resume_and_generate(tiny_bin, tmp_path):
     assert "@ 4 updates" in resumed.stdout + resumed.stderr
     assert "auto init" not in resumed.stdout + resumed.stderr
     assert log_records(resumed, "train")[-1]["train_num_updates"] == "6"
-    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
-                    ":".join(checkpoints), "--beam", "2", "--cpu", "--max-tokens", "4000",
-                    "--gen-subset", "valid", "--required-batch-size-multiple", "1"])
+    proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                        ":".join(checkpoints), "--beam", "2", "--cpu", "--max-tokens", "4000",
+                        "--gen-subset", "valid", "--required-batch-size-multiple", "1"])
     hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == 100 and not any("<pad>" in h for h in hypotheses)
 

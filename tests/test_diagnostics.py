@@ -15,6 +15,7 @@ from fairseq import checkpoint_utils
 from fairseq.modules import MultiheadAttention
 
 from conftest import REPO, cli, run_cli
+from inprocess import run_fairseq
 from fairseq_normplug.diagnostics import convert, fitting, plot_norms
 from fairseq_normplug.diagnostics.attention import attention_logits, query_statistics
 from fairseq_normplug.diagnostics.loading import batches, collect_norm_activations, dev_loss, load_checkpoint
@@ -36,12 +37,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def trained(tiny_bin, tmp_path_factory):
     """A stock PostNorm LayerNorm transformer (d=64, 2+2 layers) trained 60 updates."""
     save_dir = tmp_path_factory.mktemp("trained")
-    run_cli([cli("fairseq-train"), tiny_bin, *TINY_STOCK, "--cpu", "--num-workers", "0", "--optimizer", "adam",
-             "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
-             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "1000",
-             "--max-update", "60", "--disable-validation", "--required-batch-size-multiple", "1",
-             "--no-epoch-checkpoints", "--save-dir", str(save_dir), "--seed", "1"],
-            env={"OMP_NUM_THREADS": "1"})
+    run_fairseq([cli("fairseq-train"), tiny_bin, *TINY_STOCK, "--cpu", "--num-workers", "0", "--optimizer", "adam",
+                 "--lr", "3e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
+                 "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1", "--max-tokens", "1000",
+                 "--max-update", "60", "--disable-validation", "--required-batch-size-multiple", "1",
+                 "--no-epoch-checkpoints", "--save-dir", str(save_dir), "--seed", "1"])
     return str(save_dir / "checkpoint_last.pt")
 
 
@@ -76,9 +76,9 @@ def test_conversion_gives_a_loadable_dyt_checkpoint(converted, tiny_bin):
     assert "| calibrated dyt (no training) | " in markdown and "| dec1.cross |" in markdown
     assert report["finetuned"] == os.path.join(finetune_dir, "checkpoint_last.pt")
 
-    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--path", out, "--user-dir",
-                    os.path.join(REPO, "fairseq_normplug"), "--beam", "1", "--cpu", "--gen-subset", "valid",
-                    "--max-tokens", "4000", "--required-batch-size-multiple", "1"])
+    proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--path", out, "--user-dir",
+                        os.path.join(REPO, "fairseq_normplug"), "--beam", "1", "--cpu", "--gen-subset", "valid",
+                        "--max-tokens", "4000", "--required-batch-size-multiple", "1"])
     assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 100
 
 
@@ -519,10 +519,10 @@ def test_removal_folds_a_prenorm_model(tiny_bin, tmp_path):
     identities at the folded sites, the decoder's final norm is the fixed affine map, and OUT
     gives the fine-tuned fixed-std model's dev loss."""
     save_dir = tmp_path / "prenorm"
-    run_cli([cli("fairseq-train"), tiny_bin, *TINY_STOCK, "--encoder-normalize-before", "--decoder-normalize-before",
-             "--cpu", "--num-workers", "0", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "1000",
-             "--max-update", "5", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(save_dir),
-             "--seed", "1"], env={"OMP_NUM_THREADS": "1"})
+    run_fairseq([cli("fairseq-train"), tiny_bin, *TINY_STOCK, "--encoder-normalize-before", "--decoder-normalize-before",
+                 "--cpu", "--num-workers", "0", "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "1000",
+                 "--max-update", "5", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", str(save_dir),
+                 "--seed", "1"])
     out = str(tmp_path / "folded.pt")
     report = convert.main([str(save_dir / "checkpoint_last.pt"), tiny_bin, out, "--to", "none",
                            "--removal-every", "1", "--removal-start", "1", "--calibration-tokens", "1000",

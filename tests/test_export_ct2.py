@@ -95,6 +95,7 @@ def fairseq_generate_greedy(checkpoint, data):
     return {int(i): (sources[i], hypotheses[i]) for i in hypotheses}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXACT)
 def test_the_export_translates_as_fairseq_generate_does(checkpoints, tiny_bin, test_sentences, tmp_path, name):
     """Issue 61's acceptance: greedy translations of 20 test sentences identical to fairseq-generate's
@@ -121,6 +122,7 @@ def test_the_export_translates_as_fairseq_generate_does(checkpoints, tiny_bin, t
     assert sorted(os.listdir(tmp_path)) == ["ct2"]  # no temporary folder left
 
 
+@pytest.mark.slow
 def test_the_recipes_output_layer_exports_exactly(tiny_bin, tmp_path):
     """The authors' output layer (--target-vocab-mask --output-bias) with the full method: a masked
     type given the largest output bias would win every step without the mask; the export keeps
@@ -167,6 +169,7 @@ def test_what_ctranslate2_cannot_express_is_refused_in_one_line(checkpoints, tin
     assert_refused(code, stderr, str(tmp_path / "out" / "ct2"), "cannot export to CTranslate2", *words)
 
 
+@pytest.mark.slow
 def test_an_export_that_translates_differently_is_deleted(checkpoints, tiny_bin, tmp_path, monkeypatch):
     """ScaleNorm written as an RMSNorm with gain g instead of g/sqrt(d) (a wrong fold): the
     check finds the different translations, and neither the output nor a temporary folder is left."""
@@ -180,6 +183,7 @@ def test_an_export_that_translates_differently_is_deleted(checkpoints, tiny_bin,
     assert_refused(code, stderr, str(output), "translates valid sentence", "differently", "nothing was written")
 
 
+@pytest.mark.slow
 def test_an_existing_output_is_kept_without_force(checkpoints, tiny_bin, tmp_path):
     output = tmp_path / "ct2"
     output.mkdir()

@@ -1,12 +1,12 @@
 """Training-log parsing and the papers' figures, from real tiny fairseq-train logs."""
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from matplotlib.colors import to_rgb
 
-from conftest import REPO, cli, run_cli
+from conftest import REPO, cli
+from inprocess import run_fairseq
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import figures
 from fairseq_normplug.experiments.training_log import parse_training_log
@@ -34,18 +34,16 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def log_paths(tiny_bin, tmp_path_factory):
-    """{label: log file} of three 30-update runs, trained side by side (one thread each)."""
+    """{label: log file} of three 30-update runs, trained one after the other in this process."""
     out = tmp_path_factory.mktemp("training_logs")
 
     def train(label):
-        proc = run_cli([cli("fairseq-train"), tiny_bin, *TRAIN, *RUNS[label], "--save-dir", str(out / label)],
-                       env={"OMP_NUM_THREADS": "1"})
+        proc = run_fairseq([cli("fairseq-train"), tiny_bin, *TRAIN, *RUNS[label], "--save-dir", str(out / label)])
         path = out / f"{label}.log"
         path.write_text(proc.stdout, encoding="utf-8")
         return label, str(path)
 
-    with ThreadPoolExecutor(len(RUNS)) as pool:
-        return dict(pool.map(train, RUNS))
+    return dict(train(label) for label in RUNS)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +64,6 @@ def assert_png(path):
     assert data.startswith(PNG_MAGIC) and len(data) > 5000
 
 
-@pytest.mark.slow
 def test_training_log_parsing(logs, log_paths):
     scale = logs["ScaleNorm"]
     assert [r["num_updates"] for r in scale.kind("train_inner")] == [5.0, 10.0, 15.0, 20.0, 25.0, 30.0]
@@ -84,7 +81,6 @@ def test_training_log_parsing(logs, log_paths):
     assert "valid_bleu" not in logs["ScaleNorm-noLS"].keys("valid")
 
 
-@pytest.mark.slow
 def test_garbage_truncation_and_resumed_runs(log_paths, tmp_path):
     lines = open(log_paths["ScaleNorm"], encoding="utf-8").read().splitlines()
     inner = [line for line in lines if "| train_inner |" in line]
@@ -102,7 +98,6 @@ def test_garbage_truncation_and_resumed_runs(log_paths, tmp_path):
         parse_training_log(str(tmp_path / "nothing.log"))
 
 
-@pytest.mark.slow
 def test_dev_bleu_and_grad_norm_figures(logs, log_paths, tmp_path):
     bleu = figures.plot_dev_bleu(logs, str(tmp_path / "bleu.png"))
     assert list(bleu) == ["ScaleNorm", "DyT"]  # the run without --eval-bleu is left out
@@ -116,7 +111,6 @@ def test_dev_bleu_and_grad_norm_figures(logs, log_paths, tmp_path):
     assert_png(tmp_path / "gnorm.png")
 
 
-@pytest.mark.slow
 def test_scalenorm_g_figure(logs, log_paths, tmp_path):
     data = figures.plot_scalenorm_g(logs, str(tmp_path / "g.png"))
     assert list(data) == ["ScaleNorm", "ScaleNorm-noLS"]  # DyT has no g
@@ -129,7 +123,6 @@ def test_scalenorm_g_figure(logs, log_paths, tmp_path):
     assert_png(tmp_path / "g.png")
 
 
-@pytest.mark.slow
 def test_label_smoothing_g_figure(logs, log_paths, tmp_path):
     data = figures.plot_label_smoothing_g(logs, str(tmp_path / "ls.png"))
     decoder = ["dec0.attn", "dec0.cross", "dec0.ffn", "dec1.attn", "dec1.cross", "dec1.ffn", "dec.final"]
@@ -142,7 +135,6 @@ def test_label_smoothing_g_figure(logs, log_paths, tmp_path):
     assert not (tmp_path / "none.png").exists()
 
 
-@pytest.mark.slow
 def test_dyt_alpha_figure(logs, log_paths, tmp_path):
     data = figures.plot_dyt_alpha(logs, str(tmp_path / "dyt.png"))
     records = raw_records(log_paths["DyT"], "train_inner")
@@ -158,7 +150,6 @@ def test_dyt_alpha_figure(logs, log_paths, tmp_path):
     assert_png(tmp_path / "dyt.png")
 
 
-@pytest.mark.slow
 def test_dyt_saturation_figure(logs, log_paths, tmp_path):
     data = figures.plot_dyt_saturation(logs, str(tmp_path / "sat.png"))
     assert list(data) == ["DyT"]  # only DyT norms saturate
@@ -174,7 +165,6 @@ def test_dyt_saturation_figure(logs, log_paths, tmp_path):
         figures.plot_dyt_saturation({"s": logs["ScaleNorm"]}, str(tmp_path / "none.png"))
 
 
-@pytest.mark.slow
 def test_command_line_makes_what_the_logs_support(log_paths, tmp_path, capsys):
     out = tmp_path / "figs"
     outcome = figures.main([f"--log={label}={path}" for label, path in log_paths.items()] + ["--out", str(out)])
@@ -190,7 +180,6 @@ def test_command_line_makes_what_the_logs_support(log_paths, tmp_path, capsys):
     assert "scalenorm_g: skipped: " in capsys.readouterr().out
 
 
-@pytest.mark.slow
 def test_command_line_bad_input(log_paths, tmp_path):
     with pytest.raises(NormplugError, match="unknown figure 'fig9'"):
         figures.main(["--log", f"DyT={log_paths['DyT']}", "--out", str(tmp_path), "--figures", "fig9"])

@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import cli, run_cli
+from conftest import cli
+from inprocess import run_fairseq
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import named_norms
@@ -182,7 +183,6 @@ def test_refused_in_one_line(tiny_bin, flags, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.slow
 def test_trains_20_updates_logs_its_norms_and_decodes(tiny_bin, tmp_path):
     flags = [*HC, "--hc-streams", "2", "--hc-manifold", "--norm-stats-interval", "10"]
     proc = train(tiny_bin, tmp_path, flags, 20)
@@ -190,9 +190,9 @@ def test_trains_20_updates_logs_its_norms_and_decodes(tiny_bin, tmp_path):
     assert len(records) == 2 and all(math.isfinite(float(r["loss"])) for r in records)
     assert "in_std:dec1.hc_cross" in records[-1] and "gain:enc0.hc_ffn" in records[-1]
     checkpoint = str(tmp_path / "checkpoint_last.pt")
-    gen = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
-                   "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "valid",
-                   "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
+    gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
+                       "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "valid",
+                       "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
     assert len([line for line in gen.stdout.splitlines() if line.startswith("H-")]) == 100
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     assert state["cfg"]["model"].hc_streams == 2 and state["cfg"]["model"].hc_manifold is True

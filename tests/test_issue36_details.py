@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import cli, run_cli
+from conftest import cli
+from inprocess import run_fairseq
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.modules.derf import Derf
@@ -115,7 +116,6 @@ def test_ablation_models_train_and_decode_incrementally(tiny_bin, flags):
     assert_incremental_matches_full(model, task)
 
 
-@pytest.mark.slow
 def test_fairseq_train_20_updates_and_generate(tiny_bin, tmp_path):
     """Both DyT ablations at once through fairseq-train (20 updates) and fairseq-generate."""
     save_dir = tmp_path / "dyt"
@@ -128,9 +128,9 @@ def test_fairseq_train_20_updates_and_generate(tiny_bin, tmp_path):
     alphas = {k: v for k, v in state.items() if k.endswith("self_attn_layer_norm.alpha")}
     assert alphas and all(v.shape == (64,) and v.unique().numel() > 1 for v in alphas.values())  # trained per channel
     assert not any(k.endswith("self_attn_layer_norm.weight") for k in state)
-    gen = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
-                   "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "test",
-                   "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
+    gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
+                       "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "test",
+                       "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
     assert len([line for line in gen.stdout.splitlines() if line.startswith("H-")]) == 100
 
 

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from conftest import FAST_START, REPO
+from conftest import REPO
 from fairseq_normplug import checkpoint_safety
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import CONFIG_DIR
@@ -198,8 +198,7 @@ def setup(tiny_raw, tiny_bin, tmp_path_factory):
     (configs / "recipes.json").write_text(json.dumps(recipes))
     (configs / "experiments" / "kill.json").write_text(json.dumps(TABLE))
     os.makedirs(root / "hook")
-    fast_start = os.path.join(FAST_START, "sitecustomize.py")  # the suite's start-up shortcut too
-    (root / "hook" / "sitecustomize.py").write_text(f"{KILL_HOOK}\nimport runpy\nrunpy.run_path({fast_start!r})\n")
+    (root / "hook" / "sitecustomize.py").write_text(KILL_HOOK)
     return root
 
 

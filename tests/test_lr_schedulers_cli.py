@@ -1,4 +1,5 @@
-"""inv_sqrt_decay / val_decay through the real fairseq-train on the tiny generated corpus:
+"""inv_sqrt_decay / val_decay through fairseq-train (in this process, tests/inprocess.py) on the
+tiny generated corpus:
 mid-epoch validations drive decays, NoWarmup starts at --lr, training stops at the lr floor
 mid-epoch, a resumed run continues the schedule, bad flags fail with one line."""
 import os
@@ -7,7 +8,8 @@ import re
 import pytest
 import torch
 
-from conftest import REPO, cli, run_parallel
+from conftest import REPO, cli
+from inprocess import run_fairseq
 
 import fairseq_normplug  # noqa: F401  (allow-lists checkpoint classes for torch.load)
 
@@ -26,11 +28,11 @@ TINY = [
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def train_many(runs, timeout=300):
-    """Run several independent fairseq-train commands at once (list of (data, save_dir,
-    flags)), each within ``timeout`` seconds; return their CompletedProcess objects in order."""
-    return run_parallel([[cli("fairseq-train"), data, *TINY, "--save-dir", str(save), *flags]
-                         for data, save, flags in runs], env=ENV, timeout=timeout, peers=False)
+def train_many(runs):
+    """Run several independent fairseq-train commands (list of (data, save_dir, flags)) one
+    after the other; return their CompletedProcess objects in order."""
+    return [run_fairseq([cli("fairseq-train"), data, *TINY, "--save-dir", str(save), *flags], check=False, env=ENV)
+            for data, save, flags in runs]
 
 
 def train(data, save, flags, check=True):
@@ -77,7 +79,6 @@ def scheduler_state(save_dir):
     return last["num_updates"], last["lr_scheduler_state"]
 
 
-@pytest.mark.slow
 def test_nowarmup_bleu_mid_epoch_decays_and_lr_floor_stop(tiny_bin, tmp_path):
     """NoWarmup (--warmup-updates 0) at --lr 1e-3 with dev BLEU as the metric, a validation
     every 2 updates, patience 0 (every validation decays, by 0.5): 1e-3 -> 5e-4 -> 2.5e-4 ->
@@ -107,7 +108,6 @@ def test_nowarmup_bleu_mid_epoch_decays_and_lr_floor_stop(tiny_bin, tmp_path):
     assert state["flat_lr"] == 1.25e-4 and len(state["decays"]) == 3
 
 
-@pytest.mark.slow
 def test_val_decay_resume_continues_the_schedule(tiny_bin, tmp_path):
     """ValDecay with warmup to the eq. 7 peak (lambda 0.02, d = 32 from the model, 4 warmup
     updates), validations every 3 updates and at each epoch end, patience 2,
@@ -173,7 +173,6 @@ def test_val_decay_resume_continues_the_schedule(tiny_bin, tmp_path):
     assert [b for _, _, b in logged] == pytest.approx([b for _, _, b in later], rel=1e-5)
 
 
-@pytest.mark.slow
 def test_inv_sqrt_decay_zero_warmup_and_lr_floor(tiny_bin, tmp_path):
     """InvSqrtDecay with --warmup-updates 0 (fairseq's inverse_sqrt divides by zero there):
     lr(n) = 0.01 * (32 n)^-0.5 with d = 32 from the model; lr(4) = 8.8e-4 < --stop-lr 1e-3,
@@ -193,7 +192,6 @@ def test_inv_sqrt_decay_zero_warmup_and_lr_floor(tiny_bin, tmp_path):
     assert scheduler_state(save)[0] == 3
 
 
-@pytest.mark.slow
 def test_bad_flags_fail_with_one_line_before_training(tiny_bin, tmp_path):
     bad_decay, no_valid = train_many([
         (tiny_bin, tmp_path / "a", ["--lr-scheduler", "val_decay", "--lr-decay", "1.5",

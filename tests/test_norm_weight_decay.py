@@ -15,7 +15,8 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.optim.fp16_optimizer import FP16Optimizer
 from fairseq.trainer import Trainer
 
-from conftest import cli, run_cli
+from conftest import cli
+from inprocess import run_fairseq
 from fairseq_normplug import fairseq_patches
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
@@ -232,9 +233,9 @@ CLI_FLAGS = ["--prenorm", "--dyt", "--residual-scale", "rezero", "--weight-decay
 
 
 def _train(tiny_bin, save_dir, max_update, *extra):
-    return run_cli([cli("fairseq-train"), tiny_bin, "--arch", TINY, *TRAIN_COMMON, "--log-interval", "2",
-                    "--save-dir", str(save_dir), "--max-update", str(max_update), *CLI_FLAGS, *extra],
-                   check=False)
+    return run_fairseq([cli("fairseq-train"), tiny_bin, "--arch", TINY, *TRAIN_COMMON, "--log-interval", "2",
+                        "--save-dir", str(save_dir), "--max-update", str(max_update), *CLI_FLAGS, *extra],
+                       check=False)
 
 
 def _optimizer_groups(save_dir):
@@ -242,7 +243,6 @@ def _optimizer_groups(save_dir):
     return [(g["weight_decay"], len(g["params"])) for g in state["param_groups"]]
 
 
-@pytest.mark.slow
 def test_fairseq_train_and_resume(tiny_bin, tmp_path):
     model, _, _ = build(tiny_bin, TINY, "--optimizer", "adam", *CLI_FLAGS)
     n_norm = len(norm_parameter_names(model))
@@ -261,7 +261,6 @@ def test_fairseq_train_and_resume(tiny_bin, tmp_path):
     assert _optimizer_groups(tmp_path) == [(0.1, n_all - n_norm), (0.0, n_norm)]
 
 
-@pytest.mark.slow
 def test_fairseq_train_bad_value_is_one_line_before_data(tiny_bin, tmp_path):
     proc = _train(tiny_bin, tmp_path, 4, "--norm-weight-decay", "-1")
     assert proc.returncode == 2

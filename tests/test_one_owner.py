@@ -17,7 +17,7 @@ import types
 
 import pytest
 
-from conftest import FAST_START, REPO
+from conftest import REPO
 from test_kill_rerun import KILL_HOOK
 from test_trust import reference, trust  # noqa: F401 (fixtures)
 from test_trust import finish, run_dir, start_launcher, table_csv, wait_for, write_lock
@@ -232,12 +232,11 @@ if pause_point()[0] in PAUSES:
 
 
 def pause_hook(root):
-    """The folder of PAUSE_HOOK's sitecustomize (the suite's start-up shortcut runs after it)."""
+    """The folder of PAUSE_HOOK's sitecustomize."""
     hook = root / "pause-hook"
     if not hook.exists():
         hook.mkdir()
-        fast_start = os.path.join(FAST_START, "sitecustomize.py")
-        (hook / "sitecustomize.py").write_text(f"{PAUSE_HOOK}\nimport runpy\nrunpy.run_path({fast_start!r})\n")
+        (hook / "sitecustomize.py").write_text(PAUSE_HOOK)
     return hook
 
 

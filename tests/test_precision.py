@@ -10,7 +10,8 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.optim.fp16_optimizer import FP16Optimizer, MemoryEfficientFP16Optimizer
 
-from conftest import cli, run_cli
+from conftest import cli
+from inprocess import run_fairseq
 from fairseq_normplug.modules import fused
 from fairseq_normplug.modules.derf import Derf
 from fairseq_normplug.modules.dyisru import DyISRU
@@ -186,15 +187,14 @@ def half_trained(tiny_bin, tmp_path_factory):
     runs = {}
     for name, flags in HALF_TRAINING.items():
         save_dir = tmp_path_factory.mktemp(name)
-        proc = run_cli([cli("fairseq-train"), tiny_bin, "--arch", TINY, *TRAIN_COMMON,
-                        "--log-interval", "2", "--save-dir", str(save_dir), "--max-update", "6",
-                        "--prenorm", "--scalenorm", "--fixnorm", *flags],
-                       env={"NORMPLUG_COMPILE": "0"})
+        proc = run_fairseq([cli("fairseq-train"), tiny_bin, "--arch", TINY, *TRAIN_COMMON,
+                            "--log-interval", "2", "--save-dir", str(save_dir), "--max-update", "6",
+                            "--prenorm", "--scalenorm", "--fixnorm", *flags],
+                           env={"NORMPLUG_COMPILE": "0"})
         runs[name] = (save_dir, proc)
     return runs
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(HALF_TRAINING))
 def test_half_precision_training(half_trained, name):
     save_dir, proc = half_trained[name]
@@ -206,13 +206,12 @@ def test_half_precision_training(half_trained, name):
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
 
 
-@pytest.mark.slow
 def test_generate_fp16_from_a_half_trained_fixnorm_checkpoint(half_trained, tiny_bin):
     save_dir, _ = half_trained["fp16"]
-    proc = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR,
-                    "--path", str(save_dir / "checkpoint_last.pt"), "--fp16", "--cpu",
-                    "--beam", "2", "--max-sentences", "50", "--required-batch-size-multiple", "1",
-                    "--gen-subset", "valid", "--max-len-b", "10"], env={"NORMPLUG_COMPILE": "0"})
+    proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR,
+                        "--path", str(save_dir / "checkpoint_last.pt"), "--fp16", "--cpu",
+                        "--beam", "2", "--max-sentences", "50", "--required-batch-size-multiple", "1",
+                        "--gen-subset", "valid", "--max-len-b", "10"], env={"NORMPLUG_COMPILE": "0"})
     scores = [float(line.split("\t")[1]) for line in proc.stdout.splitlines()
               if line.startswith("H-")]
     assert len(scores) == 100 and all(-1e4 < s <= 0 for s in scores)

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from conftest import cli, run_cli
+from conftest import cli
+from inprocess import run_fairseq
 from fairseq_normplug.errors import NormplugError
 from model_helpers import build, parse_args, toy_batch
 from test_cli import USER_DIR, log_records, train
@@ -115,15 +116,14 @@ def test_half_precision(tiny_bin, placement):
             assert (lprobs.float() - reference)[..., words].abs().max() < AGREEMENT[dtype], (norm_type, dtype)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["siamese", "output-norm"])
 def test_train_20_updates_and_generate(tiny_bin, tmp_path, placement):
     save_dir = tmp_path / placement
     proc = train(tiny_bin, save_dir, ["--norm-placement", placement], 20, extra=["--log-interval", "5"])
     losses = [float(r["loss"]) for r in log_records(proc, "train_inner")]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
-    gen = run_cli([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
-                   str(save_dir / "checkpoint_last.pt"), "--beam", "2", "--cpu", "--max-tokens", "4000",
-                   "--gen-subset", "test", "--required-batch-size-multiple", "1", "--max-len-a", "0",
-                   "--max-len-b", "6"])
+    gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
+                       str(save_dir / "checkpoint_last.pt"), "--beam", "2", "--cpu", "--max-tokens", "4000",
+                       "--gen-subset", "test", "--required-batch-size-multiple", "1", "--max-len-a", "0",
+                       "--max-len-b", "6"])
     assert len([line for line in gen.stdout.splitlines() if line.startswith("H-")]) == 100

@@ -9,7 +9,8 @@ import pytest
 import torch
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 
-from conftest import cli, run_cli
+from conftest import cli
+from inprocess import run_fairseq
 from fairseq_normplug.criterions.masked_label_smoothed_cross_entropy import masked_label_smoothed_nll_loss
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.target_vocab_mask import MASKED_LOGIT, TargetVocabMask, masked_logit_value
@@ -185,21 +186,20 @@ def test_a_mask_built_without_data_waits_for_a_checkpoint():
     assert mask(torch.zeros(1, 4)).tolist() == [[MASKED_LOGIT, 0, 0, MASKED_LOGIT]] and mask.num_allowed == 2
 
 
-@pytest.mark.slow
 def test_fp16_training_then_decoding_from_a_folder_without_training_data(tiny_bin, tmp_path):
     """fairseq-train --fp16 with the paper recipe's output layer (joint embedding, FixNorm,
     mask, output bias, masked label smoothing), then fairseq-generate --fp16 with beam search
     and --gnmt-alpha on a data folder that holds no training files: the mask comes from the
     checkpoint and no hypothesis contains a source-only type."""
     save_dir = tmp_path / "checkpoints"
-    proc = run_cli([cli("fairseq-train"), tiny_bin, "--user-dir", USER_DIR, "--task", "translation_normplug",
-                    "--arch", TINY, *MASKED, "--prenorm", "--fixnorm", "--scalenorm",
-                    "--criterion", "masked_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-                    "--optimizer", "adam", "--adam-betas", "(0.9, 0.999)", "--lr", "2e-3", "--clip-norm", "1.0",
-                    "--fp16", "--fp16-no-flatten-grads", "--fp16-init-scale", "1", "--max-tokens", "1200",
-                    "--max-update", "6", "--cpu", "--num-workers", "0", "--seed", "1", "--log-format", "json",
-                    "--log-interval", "2", "--disable-validation", "--no-epoch-checkpoints",
-                    "--save-dir", str(save_dir)], timeout=300, env={"NORMPLUG_COMPILE": "0"})
+    proc = run_fairseq([cli("fairseq-train"), tiny_bin, "--user-dir", USER_DIR, "--task", "translation_normplug",
+                        "--arch", TINY, *MASKED, "--prenorm", "--fixnorm", "--scalenorm",
+                        "--criterion", "masked_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+                        "--optimizer", "adam", "--adam-betas", "(0.9, 0.999)", "--lr", "2e-3", "--clip-norm", "1.0",
+                        "--fp16", "--fp16-no-flatten-grads", "--fp16-init-scale", "1", "--max-tokens", "1200",
+                        "--max-update", "6", "--cpu", "--num-workers", "0", "--seed", "1", "--log-format", "json",
+                        "--log-interval", "2", "--disable-validation", "--no-epoch-checkpoints",
+                        "--save-dir", str(save_dir)], env={"NORMPLUG_COMPILE": "0"})
     losses = [float(r["loss"]) for r in log_records(proc, "train_inner")]
     assert len(losses) == 3 and all(l == l and l < 20 for l in losses), losses
     assert "--target-vocab-mask: 62 of 128 types may be produced" in proc.stdout + proc.stderr
@@ -212,12 +212,11 @@ def test_fp16_training_then_decoding_from_a_folder_without_training_data(tiny_bi
     for name in os.listdir(tiny_bin):
         if name.startswith(("dict.", "valid.")):
             shutil.copy(os.path.join(tiny_bin, name), decode_dir / name)
-    proc = run_cli([cli("fairseq-generate"), str(decode_dir), "--user-dir", USER_DIR,
-                    "--task", "translation_normplug", "--gnmt-alpha", "0.6",
-                    "--path", str(save_dir / "checkpoint_last.pt"),
-                    "--fp16", "--cpu", "--beam", "3", "--max-sentences", "50", "--gen-subset", "valid",
-                    "--max-len-a", "0", "--max-len-b", "12", "--required-batch-size-multiple", "1"],
-                   timeout=300, env={"NORMPLUG_COMPILE": "0"})
+    proc = run_fairseq([cli("fairseq-generate"), str(decode_dir), "--user-dir", USER_DIR,
+                        "--task", "translation_normplug", "--gnmt-alpha", "0.6",
+                        "--path", str(save_dir / "checkpoint_last.pt"),
+                        "--fp16", "--cpu", "--beam", "3", "--max-sentences", "50", "--gen-subset", "valid",
+                        "--max-len-a", "0", "--max-len-b", "12", "--required-batch-size-multiple", "1"], env={"NORMPLUG_COMPILE": "0"})
     hypotheses = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == 100
     assert all(-1e4 < float(score) <= 0 for _, score, _ in hypotheses)

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import FAST_START, REPO, write_configs
+from conftest import REPO, write_configs
 from inprocess import run_fairseq
 from test_kill_rerun import KILL_HOOK
 from fairseq_normplug.errors import NormplugError
@@ -288,8 +288,7 @@ def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resume
     root = trust[0]
     hook = root / "enospc-hook"
     hook.mkdir()
-    fast_start = os.path.join(FAST_START, "sitecustomize.py")
-    (hook / "sitecustomize.py").write_text(f"{ENOSPC_HOOK}\nimport runpy\nrunpy.run_path({fast_start!r})\n")
+    (hook / "sitecustomize.py").write_text(ENOSPC_HOOK)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ["PYTHONPATH"]]))
     monkeypatch.setenv("NORMPLUG_TEST_ENOSPC_AT", "10")
     code, lines = main_of("trust", "full", "--rows", "PreNorm")
@@ -358,6 +357,7 @@ def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(t
     assert table_csv(root / "corrupt") == reference
 
 
+@pytest.mark.slow
 def test_a_bad_status_or_scores_field_is_failed_until_the_rerun_repairs_it(trust, reference, main_of):
     """Issue 50: ``"minutes": "x"`` in a status.json, ``"sacrebleu": "x"`` in a scores.json:
     --collect names both files, fails both runs and writes the table; the re-run trains nothing,
