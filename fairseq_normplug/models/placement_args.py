@@ -6,8 +6,11 @@ read when the flags are added, so extensions loaded before parsing appear) with 
 
 Here: which placement the flags choose, and a design's own flag given without the design.
 Every other refusal belongs to the design concerned (``models/placements/``)."""
+import argparse
+from collections.abc import Mapping
+
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.models.placements import MODIFIERS, PLACEMENTS, registered_designs
+from fairseq_normplug.models.placements import MODIFIERS, PLACEMENTS, Placement, registered_designs
 from fairseq_normplug.models.placements.base import flag
 from fairseq_normplug.models.placements.layers import LayerPlan
 
@@ -92,3 +95,17 @@ def resolve_placement_args(args) -> LayerPlan:
             if given:
                 _refuse(f"{flag(given[0])} needs --{name}")
     return LayerPlan(placement, modifiers)
+
+
+def built_placement(model_cfg) -> Placement:
+    """The placement of a built model, read from its resolved configuration ``model_cfg`` (a
+    checkpoint's ``cfg.model`` or the args it was built with: Namespace, dict or DictConfig),
+    with the resolver's own rules (an old checkpoint without ``norm_placement``: fairseq's two
+    normalize-before flags are PreNorm, neither is the default PostNorm); ``model_cfg`` is not
+    changed. Downstream modules (the folds, fixed-std LayerNorm) ask it for capabilities."""
+    fields = model_cfg if isinstance(model_cfg, Mapping) or hasattr(model_cfg, "items") else vars(model_cfg)
+    args = argparse.Namespace(**{"prenorm": False, "postnorm": False, **dict(fields.items())})
+    if args.norm_placement is not None:  # resolved already: the flags that chose it are not read again
+        args.prenorm = args.postnorm = False
+    fill_placement_defaults(args)
+    return PLACEMENTS[_chosen_placement(args)](args)
