@@ -105,7 +105,8 @@ def built_placement(model_cfg) -> Placement:
     changed. Downstream modules (the folds, fixed-std LayerNorm) ask it for capabilities."""
     fields = model_cfg if isinstance(model_cfg, Mapping) or hasattr(model_cfg, "items") else vars(model_cfg)
     args = argparse.Namespace(**{"prenorm": False, "postnorm": False, **dict(fields.items())})
-    if args.norm_placement is not None:  # resolved already: the flags that chose it are not read again
-        args.prenorm = args.postnorm = False
     fill_placement_defaults(args)
-    return PLACEMENTS[_chosen_placement(args)](args)
+    name = args.norm_placement or _chosen_placement(args)  # resolved already: its name is the placement
+    if name not in PLACEMENTS:
+        _refuse(f"unknown --norm-placement {name!r}; choose from {', '.join(PLACEMENTS)}")
+    return PLACEMENTS[name](args)
