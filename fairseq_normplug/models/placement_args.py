@@ -84,7 +84,7 @@ def resolve_placement_args(args) -> LayerPlan:
     placement = PLACEMENTS[_chosen_placement(args)](args)
     for name, cls in PLACEMENTS.items():
         given = [dest for dest in cls.defaults if getattr(args, dest) is not None]
-        if given and name != placement.name:
+        if given and type(placement) is not cls:
             _refuse(f"{flag(given[0])} needs --norm-placement {name}, got {placement.describe()}")
     modifiers = []
     for name, cls in MODIFIERS.items():

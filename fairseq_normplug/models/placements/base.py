@@ -98,8 +98,7 @@ CAPABILITIES = {
     "residual_stream": "what the layers add up: 'raw', the un-normalised sum x + F(.) (PreNorm-like), or "
                        "'normalized', a norm after every residual addition (PostNorm-like); None: neither "
                        "throughout",
-    "single_stream": "the layers pass one d-wide residual stream (not several: ResiDual, SiameseNorm, "
-                     "Hyper-Connections, Attention Residuals)",
+    "single_stream": "the layers pass one d-wide residual stream, not several concatenated along the features",
     "pure_postnorm": "x <- LN(x + F(x)) after every residual addition of both stacks, the residual branch "
                      "scalable as DeepNorm and Admin scale it",
     "stock_model": "fairseq's own model, stacks and layers untouched",
