@@ -189,3 +189,21 @@ def test_the_check_finds_a_name_comparison(tmp_path):
                                           "def fold(cfg):\n"
                                           "    return getattr(cfg, 'norm_placement', None) == 'pre'\n")
     assert name_comparisons(str(tmp_path)) == ["modifier.py:2 __init__", "modifier.py:5 fold"]
+
+
+@pytest.mark.parametrize("flags,label", [
+    ("--prenorm", "prenorm"), ("--encoder-normalize-before --decoder-normalize-before", "prenorm"),
+    ("--encoder-normalize-before", "postnorm"),  # fairseq's mixed model: the resolver's post
+    ("", "postnorm"), ("--norm-placement sandwich --gpas", "sandwich+gpas"),
+    ("--norm-placement not-loaded-here", "not-loaded-here"),  # an extension's: its own label
+])
+def test_a_results_rows_placement_is_the_resolvers(flags, label):
+    from fairseq_normplug.experiments import tables
+
+    assert tables.row_configuration(f"{flags} schedule=s")["placement"] == label
+
+
+def test_a_results_row_with_contradicting_placement_flags_matches_no_configuration():
+    from fairseq_normplug.experiments import tables
+
+    assert tables.row_configuration("--postnorm --encoder-normalize-before schedule=s") is None

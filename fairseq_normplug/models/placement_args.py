@@ -97,16 +97,29 @@ def resolve_placement_args(args) -> LayerPlan:
     return LayerPlan(placement, modifiers)
 
 
-def built_placement(model_cfg) -> Placement:
-    """The placement of a built model, read from its resolved configuration ``model_cfg`` (a
-    checkpoint's ``cfg.model`` or the args it was built with: Namespace, dict or DictConfig),
-    with the resolver's own rules (an old checkpoint without ``norm_placement``: fairseq's two
-    normalize-before flags are PreNorm, neither is the default PostNorm); ``model_cfg`` is not
-    changed. Downstream modules (the folds, fixed-std LayerNorm) ask it for capabilities."""
+def placement_name(model_cfg) -> str:
+    """The ``--norm-placement`` that a model's flags or resolved configuration ``model_cfg``
+    (Namespace, dict or DictConfig: a checkpoint's ``cfg.model``, the args it was built with, a
+    results row's flags) choose, by the resolver's own rules: a resolved ``norm_placement`` is the
+    placement (registered in this process or not); without one, ``--prenorm`` or fairseq's two
+    normalize-before flags are ``pre``, anything else the default ``post`` (an old checkpoint,
+    fairseq's mixed model). ``model_cfg`` is not changed."""
+    args = _placement_fields(model_cfg)
+    return args.norm_placement or _chosen_placement(args)
+
+
+def _placement_fields(model_cfg) -> argparse.Namespace:
+    """A copy of ``model_cfg`` as a Namespace, with every design's defaults filled in."""
     fields = model_cfg if isinstance(model_cfg, Mapping) or hasattr(model_cfg, "items") else vars(model_cfg)
     args = argparse.Namespace(**{"prenorm": False, "postnorm": False, **dict(fields.items())})
     fill_placement_defaults(args)
-    name = args.norm_placement or _chosen_placement(args)  # resolved already: its name is the placement
+    return args
+
+
+def built_placement(model_cfg) -> Placement:
+    """The placement of a built model (:func:`placement_name`), built from its resolved
+    configuration ``model_cfg``; downstream modules (the folds) ask it for capabilities."""
+    name = placement_name(model_cfg)
     if name not in PLACEMENTS:
         _refuse(f"unknown --norm-placement {name!r}; choose from {', '.join(PLACEMENTS)}")
-    return PLACEMENTS[name](args)
+    return PLACEMENTS[name](_placement_fields(model_cfg))
