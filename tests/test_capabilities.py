@@ -121,10 +121,7 @@ def test_the_placement_of_a_built_model_is_read_from_its_resolved_config(config,
 
 #: (file, function) where names are what is resolved: the flags -> the placement they name
 #: (``--prenorm`` and fairseq's normalize-before flags are ``--norm-placement pre``)
-NAME_RESOLVERS = {("models/placement_args.py", "_chosen_placement"),
-                  # a norm type's own check runs before the placement is resolved and cannot import
-                  # models (tests/test_layering.py): it reads the flags (issue 55, left)
-                  ("modules/fixed_std_layer_norm.py", "check_args")}
+NAME_RESOLVERS = {("models/placement_args.py", "_chosen_placement")}
 
 
 def _mentions_placement(node) -> bool:
