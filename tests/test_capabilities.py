@@ -204,3 +204,16 @@ def test_a_results_row_with_contradicting_placement_flags_matches_no_configurati
     from fairseq_normplug.experiments import tables
 
     assert tables.row_configuration("--postnorm --encoder-normalize-before schedule=s") is None
+
+
+def test_ngpt_needs_fairseqs_own_postnorm_not_the_mixed_model(tiny_bin):
+    """nGPT requires ``pure_postnorm``: fairseq's mixed model (one stack PreNorm) lacks it."""
+    from model_helpers import parse_args
+
+    with pytest.raises(NormplugError) as error:
+        parse_args(tiny_bin, TINY, "--ngpt", "--encoder-normalize-before", task="translation_normplug")
+    assert str(error.value).startswith("--ngpt cannot be combined with --encoder-normalize-before (fairseq's "
+                                       "PreNorm in one stack): nGPT replaces the residual placement")
+    assert str(error.value).endswith("it has pure_postnorm=False, not True (x <- LN(x + F(x)) after every residual "
+                                     "addition of both stacks, the residual branch scalable as DeepNorm and Admin "
+                                     "scale it); placements with stock_model=True, pure_postnorm=True: post")
