@@ -40,6 +40,8 @@ from fairseq_normplug.modules.identity_norm import IdentityNorm  # noqa: E402
 from fairseq_normplug.modules.auto_init import sum_over_ranks  # noqa: E402
 from fairseq_normplug.models.placements.base import flag  # noqa: E402
 from fairseq_normplug.numeric_flags import number_flag  # noqa: E402  (a numeric flag: finite, in its range)
+# what a placement can declare about its layers, and PreNorm's declarations (a modifier's ``requires``)
+from fairseq_normplug.models.placements.base import CAPABILITIES, PRENORM_LIKE  # noqa: E402
 from fairseq_normplug.extensions import load_startup_extensions  # noqa: E402
 
 # a researcher's own norms and placements (docs/extending.md): installed packages' entry points,
@@ -48,5 +50,6 @@ load_startup_extensions()
 
 __all__ = ["NormplugError", "FormulaNorm", "register_norm", "Placement", "Modifier", "register_placement",
            "register_modifier", "new_norm", "ATTENTION", "FFN", "FINAL", "SUBLAYER_NORMS", "Float32Params",
-           "HALF_DTYPES", "upcast", "IdentityNorm", "sum_over_ranks", "flag", "number_flag"]
+           "HALF_DTYPES", "upcast", "IdentityNorm", "sum_over_ranks", "flag", "number_flag", "CAPABILITIES",
+           "PRENORM_LIKE"]
 __version__ = "0.1.0"

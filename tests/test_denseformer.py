@@ -11,7 +11,7 @@ import torch
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import PLACEMENTS
-from fairseq_normplug.models.placements.denseformer import MULTI_STREAM_PLACEMENTS, DepthWeightedAverages
+from fairseq_normplug.models.placements.denseformer import DepthWeightedAverages
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full, norm_type_flags,
                            one_backward, randomized, toy_batch)
@@ -19,7 +19,14 @@ from test_placement_registry import test_the_2024_2026_designs_import_only_the_p
 from test_sigma_reparam import train_and_generate
 
 TINY = "transformer_normplug_tiny"
+#: the built-in placements whose layers carry several streams concatenated along the features
+MULTI_STREAM_PLACEMENTS = ("resi-dual", "siamese", "hyper-connections", "attention-residuals")
 COMPOSING = [name for name in PLACEMENTS if name not in MULTI_STREAM_PLACEMENTS]
+
+
+def test_the_multi_stream_placements_are_those_declaring_several_streams():
+    """DenseFormer reads the ``single_stream`` capability: the built-ins it refuses are these four."""
+    assert [name for name, cls in PLACEMENTS.items() if not cls.single_stream] == list(MULTI_STREAM_PLACEMENTS)
 
 
 def randomize_alphas(model, seed=3):

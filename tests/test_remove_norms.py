@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from model_helpers import assert_incremental_matches_full, build, randomized, toy_batch
+from model_helpers import assert_incremental_matches_full, build, parse_args, randomized, toy_batch
 from fairseq_normplug.diagnostics import remove_norms
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
@@ -50,15 +50,18 @@ def test_fixed_std_norm_equals_layer_norm_when_c_is_the_rows_std():
     assert not torch.allclose(norm(2 * row), layer_norm(2 * row), atol=1e-2)  # c is fixed, the std is not
 
 
-def test_default_buffers_make_it_layer_norm_and_folded_sites_identity():
+def test_default_buffers_make_it_layer_norm_and_folded_sites_identity(tiny_bin):
     args = norm_args("layernorm-fixed-std")
     assert not build_norm(args, 8, NormSlot(name="enc0.attn")).uses_fixed_std
     args = norm_args("layernorm-fixed-std", fixed_std_folded=True, norm_placement="pre")
     for name, kind in (("enc0.attn", IdentityNorm), ("dec1.cross", IdentityNorm), ("enc.final", IdentityNorm),
                        ("dec.final", FixedStdLayerNorm), ("enc.embed", FixedStdLayerNorm)):
         assert type(build_norm(args, 8, NormSlot(name=name))) is kind, name
-    with pytest.raises(NormplugError, match="--fixed-std-folded needs PreNorm"):
-        norm_args("layernorm-fixed-std", fixed_std_folded=True, norm_placement="post")
+    # refused where the placement is resolved (its capabilities): fairseq's mixed model too
+    for placement in (["--postnorm"], ["--encoder-normalize-before"]):
+        with pytest.raises(NormplugError, match="^--fixed-std-folded needs PreNorm .*got --"):
+            parse_args(tiny_bin, TINY, "--norm-type", "layernorm-fixed-std", "--fixed-std-folded", *placement)
+    parse_args(tiny_bin, TINY, "--norm-type", "layernorm-fixed-std", "--fixed-std-folded", "--prenorm")
 
 
 def test_removal_order_is_ffn_norms_then_attention_norms_then_stack_norms():

@@ -148,7 +148,9 @@ def test_fold_refusals_one_line(tapered, tiny_bin, tmp_path):
     assert not os.path.exists(out)
     loaded = load_checkpoint(os.path.join(save_dir, "checkpoint_last.pt"), tiny_bin)
     cfg = loaded.cfg.model
-    for key, value, message in (("norm_placement", "post", "has --norm-placement post; --to folded needs pre"),
+    # a resolved config's --norm-placement is its placement (a PreNorm config relabelled post would
+    # still carry fairseq's normalize-before flags: fairseq's mixed model)
+    for key, value, message in (("norm_placement", "sandwich", "has --norm-placement sandwich; --to folded needs pre"),
                                 ("qknorm", True, "has --qknorm, which changes what the norms feed"),
                                 ("norm_type", "dyt", "has --norm-type dyt; --to folded takes a --norm-type tapernorm")):
         old = getattr(cfg, key)

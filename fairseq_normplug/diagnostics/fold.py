@@ -29,6 +29,8 @@ from fairseq_normplug.diagnostics.convert import converted_state, save_checkpoin
 from fairseq_normplug.diagnostics.loading import DEFAULT_GENERATION, dev_translations, load_checkpoint, resolve_data
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
+from fairseq_normplug.models.placement_args import built_placement
+from fairseq_normplug.models.placements.base import PRENORM_LIKE, lacks, missing_capability
 from fairseq_normplug.modules.identity_norm import IdentityNorm
 from fairseq_normplug.modules.taper_norm import TaperNorm
 
@@ -79,10 +81,10 @@ def check_foldable(model, model_cfg, path: str) -> None:
         what = "is folded already" if getattr(model_cfg, "taper_folded", False) else \
             f"has --norm-type {getattr(model_cfg, 'norm_type', None) or 'layernorm'}"
         raise NormplugError(f"{path} {what}; --to folded takes a --norm-type tapernorm checkpoint")
-    placement = getattr(model_cfg, "norm_placement", None) or "pre"
-    if placement != "pre":
-        raise NormplugError(f"{path} has --norm-placement {placement}; --to folded needs pre (a norm output "
-                            f"in the residual stream cannot be folded into a linear layer)")
+    placement = built_placement(model_cfg)
+    if missing_capability(placement, PRENORM_LIKE) is not None:
+        raise NormplugError(f"{path} has {placement.describe()}; --to folded needs pre (a norm output in the "
+                            f"residual stream cannot be folded into a linear layer): {lacks(placement, PRENORM_LIKE)}")
     given = [flag for flag in UNFOLDABLE_FLAGS if getattr(model_cfg, flag, False)]
     if given:
         raise NormplugError(f"{path} has --{given[0].replace('_', '-')}, which changes what the norms feed; "

@@ -55,6 +55,7 @@ from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.portable_paths import default_roots, to_portable
 from fairseq_normplug.models.norm_types_per_layer import spec_label
+from fairseq_normplug.models.placement_args import placement_name
 from fairseq_normplug.models.placements import MODIFIERS, placement_label
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.resources import CONFIG_DIR
@@ -254,12 +255,13 @@ def _parse_flags(tokens: Sequence[str]) -> Dict[str, object]:
 
 
 def _row_placement(flags: Dict[str, object]) -> str:
-    """The ``--norm-placement`` a row's flags choose (``--prenorm`` / ``--postnorm``, or fairseq's
-    two normalize-before flags, as ``models/placement_args.py`` resolves them)."""
-    if isinstance(flags.get("--norm-placement"), str):
-        return flags["--norm-placement"]
-    both_stacks = "--encoder-normalize-before" in flags and "--decoder-normalize-before" in flags
-    return "pre" if "--prenorm" in flags or both_stacks else "post"
+    """The ``--norm-placement`` a row's flags choose, resolved by ``models/placement_args.py``
+    (``--prenorm`` / ``--postnorm``, fairseq's normalize-before flags); NormplugError for flags
+    that contradict each other."""
+    given = flags.get("--norm-placement")
+    switches = {dest: f"--{dest.replace('_', '-')}" in flags
+                for dest in ("prenorm", "postnorm", "encoder_normalize_before", "decoder_normalize_before")}
+    return placement_name({"norm_placement": given if isinstance(given, str) else None, **switches})
 
 
 def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
@@ -282,7 +284,11 @@ def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
         stop_lr = float(flags.get("--stop-lr", DEFAULT_STOP_LR))
     except ValueError:
         stop_lr = None
-    return {"placement": placement_label(_row_placement(flags),
+    try:
+        placement = _row_placement(flags)
+    except NormplugError:  # contradicting flags: no run trained them, no published number matches
+        return None
+    return {"placement": placement_label(placement,
                                          [name for name in MODIFIERS if f"--{name}" in flags]), "norm": norm,
             "fixnorm": "--fixnorm" in flags, "qknorm": "--qknorm" in flags, "init": init,
             "residual_scale": flags.get("--residual-scale", "none"),

@@ -10,6 +10,7 @@ from typing import Optional
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.embed_scale import EMBED_SCALES
 from fairseq_normplug.modules.residual_scale import RESIDUAL_SCALES
+from fairseq_normplug.models.placements.base import lacks
 from fairseq_normplug.numeric_flags import number_flag
 from fairseq_normplug.optim.norm_weight_decay import check_norm_weight_decay_args
 
@@ -84,7 +85,7 @@ def resolve_beyond_args(args, norm_type: str, placement, weight_init_given: bool
                    "QKNorm replaces the q/k projections that quant-noise hooks into")
     if residual in POSTNORM_ONLY and not placement.pure_postnorm:
         refuse(f"--residual-scale {residual} is defined for PostNorm only ({POSTNORM_ONLY[residual]}); "
-               f"it cannot be combined with {placement.describe()}")
+               f"it cannot be combined with {placement.describe()}: {lacks(placement, {'pure_postnorm': True})}")
     if residual == "deepnorm":
         if norm_type == "identity":
             refuse("--residual-scale deepnorm needs a norm after each residual (alpha*x grows "

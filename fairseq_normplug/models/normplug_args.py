@@ -12,6 +12,7 @@ from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args,
 from fairseq_normplug.models.norm_types_per_layer import (EXAMPLE, check_norm_types_per_layer, named_norm_types,
                                                           norm_type_sources)
 from fairseq_normplug.models.placement_args import add_placement_args, resolve_placement_args
+from fairseq_normplug.models.placements.base import PRENORM_LIKE, lacks, missing_capability
 from fairseq_normplug.models.placements.layers import LayerPlan
 from fairseq_normplug.numeric_flags import check_number_flags, number_flag
 from fairseq_normplug.models.output_layer_args import (
@@ -159,7 +160,12 @@ def resolve_normplug_args(args) -> NormplugSettings:
     norm_type = norm.name
     layer_plan = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
     record_extensions(args, [norm.source, *norm_type_sources(args), *layer_plan.sources])
-    prenorm = layer_plan.placement.name == "pre"
+    prenorm = missing_capability(layer_plan.placement, PRENORM_LIKE) is None
+    prenorm_requirement = getattr(norm.module, "prenorm_requirement", None)  # the norm type's flags
+    needs_prenorm = prenorm_requirement(args) if prenorm_requirement else None
+    if needs_prenorm and not prenorm:
+        placement = layer_plan.placement
+        raise NormplugError(f"{needs_prenorm}, got {placement.describe()}: {lacks(placement, PRENORM_LIKE)}")
 
     weight_init_given = args.weight_init not in (None, "fairseq") or args.smallinit
     weight_init = args.weight_init or "fairseq"

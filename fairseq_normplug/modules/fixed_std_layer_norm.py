@@ -20,11 +20,12 @@ final norm are the identity, their maps folded into the linear layers they feed
 (``diagnostics/remove_norms.py``); the decoder's final norm (and an embedding norm) stays this
 fixed affine map, as the authors' ``ln_f`` keeps its gamma/beta beside the tied embedding.
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.fused import upcast
 from fairseq_normplug.modules.identity_norm import IdentityNorm
 from fairseq_normplug.modules.norm_base import FormulaNorm
@@ -69,14 +70,13 @@ class FixedStdLayerNorm(FormulaNorm):
                                  "feed: identity modules")
 
     @classmethod
-    def check_args(cls, args):
+    def prenorm_requirement(cls, args) -> Optional[str]:
+        """Why these flags need a PreNorm-like placement (its capabilities, checked where the
+        placement is resolved: ``models/normplug_args.py``), or None: the folded norms feed only
+        linear layers there."""
         if getattr(args, "fixed_std_folded", False):
-            prenorm = any(getattr(args, name, False) for name in
-                          ("prenorm", "encoder_normalize_before", "decoder_normalize_before"))
-            placement = getattr(args, "norm_placement", None) or ("pre" if prenorm else "post")
-            if placement != "pre":
-                raise NormplugError(f"--fixed-std-folded needs PreNorm (the folded norms feed only linear "
-                                    f"layers there), got --norm-placement {placement}")
+            return "--fixed-std-folded needs PreNorm (the folded norms feed only linear layers there)"
+        return None
 
     @classmethod
     def build(cls, dim, args, slot):

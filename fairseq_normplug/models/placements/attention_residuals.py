@@ -106,6 +106,8 @@ class AttentionResiduals(Placement):
     label = "attnres"
     defaults = {"attn_res_blocks": None}
     final_norm = True
+    normalizes_sublayer_input = True
+    single_stream = False  # every earlier sublayer output travels with the layer
 
     @classmethod
     def add_args(cls, parser):

@@ -21,6 +21,8 @@ from fairseq_normplug.models.placements.base import Placement, register_placemen
 
 @register_placement("b2t")
 class B2T(Placement):
+    residual_stream = "normalized"
+
     def __init__(self, args):
         super().__init__(args)
         self.refuse_tfixup(args)

@@ -27,15 +27,21 @@ A :class:`Placement` subclass may define (every member is optional):
   hook. With ``stock_forward = True`` the layers keep fairseq's own forward instead;
 * ``finish_model(model)``: a last step once every norm has its type, ``--weight-init`` was
   applied (the authors' own init, hooks on the final norm modules);
-* ``keeps_final_norm`` (refuse ``--no-decoder-final-norm``), ``pure_postnorm`` (DeepNorm and
-  Admin accept it), ``label`` (the results tables' label; default the name).
+* ``keeps_final_norm`` (refuse ``--no-decoder-final-norm``), ``label`` (the results tables'
+  label; default the name);
+* its capabilities (:data:`CAPABILITIES`: ``normalizes_sublayer_input``,
+  ``normalizes_sublayer_output``, ``residual_stream``, ``single_stream``, ``pure_postnorm``):
+  what the layer is, in the papers' terms; modifiers, ``--residual-scale`` and the diagnostics
+  decide what composes with the placement from these, never from its name.
 
 A :class:`Modifier` has the same members, is switched on by its own flag ``--<name>`` (which
 its ``add_args`` adds, ``store_true``; see ``enabled``), and gets the chosen placement in
 ``__init__(self, args, placement)``; ``sublayer_forward = True`` makes the layers run the
-placement's ``sublayers`` (fairseq's forward would skip its modules).
+placement's ``sublayers`` (fairseq's forward would skip its modules); ``requires``
+({capability: value}) is what its paper needs of the placement: any other placement is
+refused in one line naming the missing capability and the placements that have it.
 """
-from typing import Callable, Dict, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 from torch import Tensor, nn
 
@@ -81,6 +87,49 @@ def set_final_norm(stack: nn.Module, norm) -> None:
             stack._modules["layer_norm"] = norm
     if norm is None:
         stack.layer_norm = None
+
+
+#: what a placement can declare about its layers (class attributes of :class:`Placement`, read
+#: by modifiers' ``requires``), with what each means
+CAPABILITIES = {
+    "normalizes_sublayer_input": "a norm on every sublayer's input, F(LN(x)) (PreNorm's)",
+    "normalizes_sublayer_output": "a norm on every sublayer's output before the residual addition, LN(F(.)) "
+                                  "(Sandwich's, OLMo 2's)",
+    "residual_stream": "what the layers add up: 'raw', the un-normalised sum x + F(.) (PreNorm-like), or "
+                       "'normalized', a norm after every residual addition (PostNorm-like); None: neither "
+                       "throughout",
+    "single_stream": "the layers pass one d-wide residual stream, not several concatenated along the features",
+    "pure_postnorm": "x <- LN(x + F(x)) after every residual addition of both stacks, the residual branch "
+                     "scalable as DeepNorm and Admin scale it",
+    "stock_model": "fairseq's own model, stacks and layers untouched",
+}
+#: what PreNorm (x <- x + F(LN(x)), one stream) is, in capabilities: what NormFormer, LayerNorm
+#: Scaling and the folds of the norms into the linear layers they feed need
+PRENORM_LIKE = {"normalizes_sublayer_input": True, "normalizes_sublayer_output": False,
+                "residual_stream": "raw", "single_stream": True}
+
+
+def missing_capability(placement, requires: Mapping[str, object]) -> Optional[str]:
+    """The first capability of ``requires`` ({capability: value}) that ``placement`` (a
+    :class:`Placement`, class or instance) lacks, or None."""
+    unknown = [name for name in requires if name not in CAPABILITIES]
+    if unknown:
+        raise NormplugError(f"unknown placement capability {unknown[0]!r}; choose from {', '.join(CAPABILITIES)}")
+    return next((name for name, value in requires.items() if getattr(placement, name) != value), None)
+
+
+def placements_with(requires: Mapping[str, object]) -> List[str]:
+    """The registered placements (names, in registration order) that declare ``requires``."""
+    return [name for name, cls in PLACEMENTS.items() if missing_capability(cls, requires) is None]
+
+
+def lacks(placement, requires: Mapping[str, object]) -> str:
+    """What ``placement`` lacks of ``requires``, for a one-line refusal: the capability, its
+    meaning, and the placements that have all of ``requires`` (from the registry)."""
+    name = missing_capability(placement, requires)
+    wanted = ", ".join(f"{key}={value!r}" for key, value in requires.items())
+    return (f"it has {name}={getattr(placement, name)!r}, not {requires[name]!r} ({CAPABILITIES[name]}); "
+            f"placements with {wanted}: {', '.join(placements_with(requires)) or 'none'}")
 
 
 class LayerDesign:
@@ -146,6 +195,11 @@ class Placement(LayerDesign):
     stock_forward = False
     #: the formula ends each stack with a norm: ``--no-decoder-final-norm`` is refused
     keeps_final_norm = False
+    # capabilities (:data:`CAPABILITIES`); the defaults claim nothing a modifier could rely on
+    normalizes_sublayer_input = False
+    normalizes_sublayer_output = False
+    residual_stream: Optional[str] = None
+    single_stream = True
     #: every residual addition is followed by a norm, x <- LN(x + F(x)), in both stacks: the
     #: placement DeepNorm and Admin (``--residual-scale``) are defined for
     pure_postnorm = False
@@ -184,9 +238,22 @@ class Modifier(LayerDesign):
     """A switch on top of a placement (its flag is ``--<name>``)."""
 
     sublayer_forward = False
+    #: the placement capabilities the modifier's paper needs ({capability: value}, :data:`CAPABILITIES`)
+    requires: Dict[str, object] = {}
 
     def __init__(self, args, placement: Placement):
-        """Read the modifier's flags from ``args``; refuse what ``placement`` does not define."""
+        """Read the modifier's flags from ``args``; refuse what ``placement`` does not define
+        (here: a placement without the capabilities in :attr:`requires`)."""
+        self.check_capabilities(placement)
+
+    def check_capabilities(self, placement: Placement) -> None:
+        """Refuse, in one line, a ``placement`` that lacks a capability of :attr:`requires`."""
+        if missing_capability(placement, self.requires) is not None:
+            self.refuse(f"{self.refusal(placement)}: {lacks(placement, self.requires)}")
+
+    def refusal(self, placement: Placement) -> str:
+        """The first part of the refusal of ``placement`` (what is refused, and the paper's reason)."""
+        return f"{self.describe()} cannot be combined with {placement.describe()}"
 
     @classmethod
     def enabled(cls, args) -> bool:

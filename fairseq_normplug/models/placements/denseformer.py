@@ -42,8 +42,6 @@ from fairseq_normplug.numeric_flags import number_flag
 
 from fairseq_normplug.models.placements.base import Modifier, flag, register_modifier
 
-#: placements whose layers carry several streams concatenated along the features (2d or n*d wide)
-MULTI_STREAM_PLACEMENTS = ("resi-dual", "siamese", "hyper-connections", "attention-residuals")
 
 
 class DepthWeightedAverages(nn.Module):
@@ -110,6 +108,8 @@ class DenseFormer(Modifier):
     """A depth-weighted average of all earlier block outputs after every block (module docstring)."""
 
     defaults = {"denseformer_dilation": None, "denseformer_period": None}
+    #: DWA averages the blocks' d-wide outputs
+    requires = {"single_stream": True}
 
     @classmethod
     def add_args(cls, parser):
@@ -128,11 +128,12 @@ class DenseFormer(Modifier):
             help="--denseformer: average only after the blocks i with (i+1) %% P == 0 (default 1: every "
                  "block; the authors' p)")
 
+    def refusal(self, placement):
+        return (f"--denseformer cannot be combined with {placement.describe()}: its layers pass several residual "
+                f"streams concatenated, not one d-wide stream to average")
+
     def __init__(self, args, placement):
         super().__init__(args, placement)
-        if placement.name in MULTI_STREAM_PLACEMENTS:
-            self.refuse(f"--denseformer cannot be combined with {placement.describe()}: its layers pass several "
-                        f"residual streams concatenated, not one d-wide stream to average")
         if getattr(args, "ngpt", False):
             self.refuse("--denseformer cannot be combined with --ngpt: nGPT's hidden states live on the unit "
                         "sphere, which a weighted average leaves")

@@ -97,13 +97,22 @@ class GPAS(Modifier):
                  "(init 0), after every residual addition (PreNorm, Sandwich) or on the residual before "
                  "DeepNorm's alpha; on " + GPAS_PLACEMENTS)
 
+    #: after every residual addition of one raw (PreNorm-like) stream; the other case, DeepNorm,
+    #: is a ``pure_postnorm`` placement with ``--residual-scale deepnorm`` (:meth:`check_capabilities`)
+    requires = {"normalizes_sublayer_input": True, "residual_stream": "raw", "single_stream": True}
+
     def __init__(self, args, placement):
+        self.deepnorm = getattr(args, "residual_scale", "none") == "deepnorm"
+        self.on_residual = placement.pure_postnorm and self.deepnorm
         super().__init__(args, placement)
-        deepnorm = getattr(args, "residual_scale", "none") == "deepnorm"
-        self.on_residual = placement.name == "post" and placement.pure_postnorm and deepnorm
-        if placement.name not in ("pre", "sandwich") and not self.on_residual:
-            got = placement.describe() + (" without --residual-scale deepnorm" if placement.pure_postnorm else "")
-            self.refuse(f"--gpas is defined on {GPAS_PLACEMENTS} only; got {got}")
+
+    def check_capabilities(self, placement):
+        if not self.on_residual:
+            super().check_capabilities(placement)
+
+    def refusal(self, placement):
+        got = placement.describe() + (" without --residual-scale deepnorm" if placement.pure_postnorm else "")
+        return f"--gpas is defined on {GPAS_PLACEMENTS} only; got {got}"
 
     def build_layer(self, layer, index, num_layers):
         layer.gpas = GPASGate(self.on_residual)

@@ -125,6 +125,8 @@ class HyperConnections(Placement):
     #: the norm of each hyper-connection's dynamic weights (enc0.hc_attn, dec1.hc_cross, ...)
     norm_slots = tuple((f"hyper_connections.{kind}.norm", FFN, f"hc_{kind}") for kind in ("attn", "cross", "ffn"))
     final_norm = True
+    normalizes_sublayer_input = True
+    single_stream = False  # n streams, concatenated
 
     @classmethod
     def add_args(cls, parser):

@@ -34,6 +34,8 @@ class Keel(Placement):
     norm_slots = ((INPUT_NORMS["attn"], ATTENTION, "keel_attn_in"),
                   (INPUT_NORMS["cross"], ATTENTION, "keel_cross_in"),
                   (INPUT_NORMS["ffn"], FFN, "keel_ffn_in"))
+    normalizes_sublayer_input = True  # LN_2
+    residual_stream = "normalized"  # LN_1 after every addition
 
     @classmethod
     def add_args(cls, parser):

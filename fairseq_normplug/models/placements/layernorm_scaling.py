@@ -16,7 +16,7 @@ import math
 
 from fairseq_normplug.modules.norm_registry import FINAL
 
-from fairseq_normplug.models.placements.base import Modifier, register_modifier
+from fairseq_normplug.models.placements.base import PRENORM_LIKE, Modifier, register_modifier
 
 
 class ScaleOutput:
@@ -31,6 +31,8 @@ class ScaleOutput:
 
 @register_modifier("layernorm-scaling")
 class LayerNormScaling(Modifier):
+    requires = PRENORM_LIKE
+
     @classmethod
     def add_args(cls, parser):
         parser.add_argument(
@@ -38,11 +40,9 @@ class LayerNormScaling(Modifier):
             help="LayerNorm Scaling (The Curse of Depth, Sun et al. 2025): the output of every norm in "
                  "layer l (1-based, per stack) times 1/sqrt(l); PreNorm only (--prenorm)")
 
-    def __init__(self, args, placement):
-        super().__init__(args, placement)
-        if placement.name != "pre":
-            self.refuse(f"--layernorm-scaling cannot be combined with {placement.describe()}: LayerNorm "
-                        f"Scaling is defined for PreNorm layers (Sun et al. 2025); use --prenorm")
+    def refusal(self, placement):
+        return (f"--layernorm-scaling cannot be combined with {placement.describe()}: LayerNorm Scaling is "
+                f"defined for PreNorm layers (Sun et al. 2025)")
 
     def finish_model(self, model):
         """Hook 1/sqrt(l) onto the output of every norm inside layer l (its final type)."""

@@ -213,6 +213,8 @@ class NGPT(Modifier):
     wiring (:meth:`sublayers`), replacing PostNorm's, whose norms it removes."""
 
     sublayer_forward = True
+    #: nGPT replaces fairseq's PostNorm layers (it removes their norms), as they are built
+    requires = {"stock_model": True, "pure_postnorm": True}
     training_task = "translation_normplug"  # its optimizer_step renormalises the weights
 
     @classmethod
@@ -226,9 +228,6 @@ class NGPT(Modifier):
     def __init__(self, args, placement):
         super().__init__(args, placement)
         self.stats_interval = args.norm_stats_interval
-        if placement.name != "post":
-            self.refuse(f"--ngpt cannot be combined with {placement.describe()}: nGPT replaces the "
-                        f"residual placement and has no norm layers; drop it")
         if args.norm_type != "layernorm":
             self.refuse(f"--ngpt cannot be combined with --norm-type {args.norm_type}: nGPT has no norm layers")
         if getattr(args, "weight_init", None) not in (None, "fairseq") or getattr(args, "smallinit", False):
@@ -251,6 +250,10 @@ class NGPT(Modifier):
                         f"{args.weight_decay}")
         self.refuse_other_task(args, "its optimizer_step renormalises the weights after every step")
         self.refuse_xformers(args, "xFormers attention reads the q/k/v weights and would skip the q/k norms")
+
+    def refusal(self, placement):
+        return (f"--ngpt cannot be combined with {placement.describe()}: nGPT replaces the residual placement "
+                f"and has no norm layers")
 
     def build_layer(self, layer, index, num_layers):
         d = layer.embed_dim

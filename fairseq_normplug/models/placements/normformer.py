@@ -28,7 +28,7 @@ from torch import nn
 
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 
-from fairseq_normplug.models.placements.base import Modifier, flag, new_norm, register_modifier
+from fairseq_normplug.models.placements.base import PRENORM_LIKE, Modifier, flag, new_norm, register_modifier
 
 
 class HeadScaledProjection(nn.Linear):
@@ -85,6 +85,7 @@ class NormFormer(Modifier):
 
     norm_slots = (("attn_ln", ATTENTION, "attn_inner"), ("ffn_layernorm", FFN, "ffn_inner"))
     sublayer_forward = True
+    requires = PRENORM_LIKE
 
     @classmethod
     def add_args(cls, parser):
@@ -95,12 +96,9 @@ class NormFormer(Modifier):
                  "a norm after the FFN activation; needs --prenorm (--norm-placement pre)")
 
     def __init__(self, args, placement):
+        self.one_stack = [name for name in ("encoder_normalize_before", "decoder_normalize_before")
+                          if getattr(args, name, False)]
         super().__init__(args, placement)
-        if placement.name != "pre":
-            one_stack = [name for name in ("encoder_normalize_before", "decoder_normalize_before")
-                         if getattr(args, name, False)]
-            got = f"only {flag(one_stack[0])}" if one_stack else placement.describe()
-            self.refuse(f"--normformer needs the PreNorm placement (--prenorm / --norm-placement pre), got {got}")
         given = [name for name in FAIRSEQ_NORMFORMER if getattr(args, name, False)]
         if given:
             self.refuse(f"--normformer cannot be combined with fairseq's {flag(given[0])} (its LM NormFormer "
@@ -110,6 +108,10 @@ class NormFormer(Modifier):
                         "PreNorm's final norm")
         self.refuse_xformers(args, "the head scales need fairseq's own attention path (xFormers applies "
                                    "out_proj's weight itself)")
+
+    def refusal(self, placement):
+        got = f"only {flag(self.one_stack[0])}" if self.one_stack else placement.describe()
+        return f"--normformer needs the PreNorm placement (--prenorm / --norm-placement pre), got {got}"
 
     def build_layer(self, layer, index, num_layers):
         _insert_module(layer, "attn_ln", new_norm(layer.embed_dim, ATTENTION), after="self_attn")

@@ -23,6 +23,8 @@ from fairseq_normplug.models.placements.sandwich import OUT_NORMS, Sandwich
 class OutputNorm(Placement):
     norm_slots = Sandwich.norm_slots
     final_norm = True
+    normalizes_sublayer_output = True
+    residual_stream = "raw"
 
     def build_layer(self, layer, index, num_layers):
         roles = {attr: role for attr, role, _ in self.norm_slots}

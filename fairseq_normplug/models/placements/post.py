@@ -14,12 +14,15 @@ from fairseq_normplug.models.placements.base import Placement, flag, register_pl
 class PostNorm(Placement):
     label = "postnorm"
     stock_model = stock_forward = True
+    residual_stream = "normalized"
+    pure_postnorm = True
 
     def __init__(self, args):
         super().__init__(args)
         self.prenorm_stacks = [flag(name) for name in ("encoder_normalize_before", "decoder_normalize_before")
                                if getattr(args, name, False)]
-        self.pure_postnorm = not self.prenorm_stacks
+        if self.prenorm_stacks:  # fairseq's mixed model: one stack is PreNorm
+            self.pure_postnorm, self.residual_stream = False, None
 
     def describe(self):
         if self.prenorm_stacks:

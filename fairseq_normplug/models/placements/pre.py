@@ -14,6 +14,8 @@ from fairseq_normplug.models.placements.base import Placement, register_placemen
 class PreNorm(Placement):
     label = "prenorm"
     stock_model = stock_forward = True
+    normalizes_sublayer_input = True
+    residual_stream = "raw"
 
     def sublayers(self, layer, x, sublayers):
         for kind, sublayer in sublayers:

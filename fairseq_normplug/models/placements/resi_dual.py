@@ -34,6 +34,7 @@ FINAL_LAYER_NORM_EPS = 1e-7
 class ResiDual(Placement):
     norm_slots = (("resi_dual_layer_norm", FINAL, "resi_final"),)
     keeps_final_norm = True
+    single_stream = False  # its PostNorm and PreNorm streams, concatenated
 
     def __init__(self, args):
         super().__init__(args)

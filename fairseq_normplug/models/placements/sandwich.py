@@ -24,6 +24,8 @@ class Sandwich(Placement):
                   ("encoder_attn_out_layer_norm", ATTENTION, "cross_out"),
                   ("final_out_layer_norm", FFN, "ffn_out"))
     final_norm = True
+    normalizes_sublayer_input = normalizes_sublayer_output = True
+    residual_stream = "raw"
 
     def build_layer(self, layer, index, num_layers):
         for attr, role, _ in self.norm_slots:

@@ -55,6 +55,7 @@ class SiameseNorm(Placement):
     norm_slots = tuple((stream_norm(kind, stream), ROLES[kind], f"{kind}_{stream}")
                        for kind in PREFIXES for stream in STREAMS) + FINAL_STREAM_NORMS
     final_norm = True
+    single_stream = False  # its PostNorm and PreNorm streams, concatenated
 
     def __init__(self, args):
         super().__init__(args)
