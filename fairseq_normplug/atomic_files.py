@@ -21,7 +21,8 @@ def _host_tag() -> str:
     return f"{zlib.crc32(socket.gethostname().encode('utf-8')):08x}"
 
 
-def _alive(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -44,7 +45,7 @@ def remove_stale_temporaries(directory: str) -> List[str]:
     for name in names:
         match = TEMPORARY.match(name)
         if match and match.group("host") == host and int(match.group("pid")) != os.getpid() \
-                and not _alive(int(match.group("pid"))):
+                and not pid_running(int(match.group("pid"))):
             path = os.path.join(directory, name)
             with contextlib.suppress(FileNotFoundError):
                 if os.path.isdir(path) and not os.path.islink(path):  # an atomic_output_dir's folder
@@ -128,3 +129,23 @@ def copy_atomic(source: str, destination: str) -> None:
     """Copy ``source`` to ``destination`` through a temporary name (never a partial file)."""
     with atomic_output(destination) as tmp:
         shutil.copyfile(source, tmp)
+
+
+def move_into_place(finished: str, path: str) -> None:
+    """Rename the finished file ``finished`` to ``path`` in one step, replacing an older
+    ``path``: a reader sees the old file or the new one (both must be on one filesystem)."""
+    os.replace(finished, path)
+
+
+def publish_directory(stage: str, destination: str) -> None:
+    """Rename the finished folder ``stage`` to ``destination``, replacing an older
+    ``destination`` (set aside as ``DESTINATION.old-<pid>``, then deleted): ``destination``
+    is never a half-filled folder."""
+    if os.path.exists(destination):
+        old = f"{destination}.old-{os.getpid()}"
+        os.rename(destination, old)
+        os.rename(stage, destination)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.makedirs(os.path.dirname(destination) or ".", exist_ok=True)
+        os.rename(stage, destination)

@@ -14,6 +14,8 @@ import os
 import random
 from typing import List, Tuple
 
+from fairseq_normplug.atomic_files import write_text_atomic
+
 SRC_LANG, TGT_LANG = "src", "tgt"
 _CONSONANTS = "bcdfghklmnprstvz"
 _VOWELS = "aeiou"
@@ -58,15 +60,13 @@ def generate_pairs(count: int, seed: int, vocab_size: int = 400, min_len: int = 
 
 def write_corpus(out_dir: str, train: int = 20000, valid: int = 500, test: int = 500,
                  vocab_size: int = 400) -> str:
-    """Write the corpus atomically (temp names, then rename); return ``out_dir``."""
+    """Write the corpus atomically (:mod:`fairseq_normplug.atomic_files`); return ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     for split, count, seed in (("train", train, 11), ("valid", valid, 22), ("test", test, 33)):
         pairs = list(generate_pairs(count, seed, vocab_size))
         for lang, column in ((SRC_LANG, 0), (TGT_LANG, 1)):
             path = os.path.join(out_dir, f"{split}.{lang}")
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.writelines(pair[column] + "\n" for pair in pairs)
-            os.replace(path + ".tmp", path)
+            write_text_atomic(path, "".join(pair[column] + "\n" for pair in pairs))
     with open(os.path.join(out_dir, "README"), "w", encoding="utf-8") as f:
         f.write(
             "SYNTHETIC corpus made by fairseq_normplug.synthetic_corpus: made-up words, a fixed\n"

@@ -124,3 +124,38 @@ def test_a_dead_writers_temporary_folder_is_removed(tmp_path):
     stale.mkdir()
     (stale / "model.bin").write_text("x")
     assert remove_stale_temporaries(str(tmp_path)) == [str(stale)] and os.listdir(tmp_path) == []
+
+
+def test_move_into_place_replaces_the_older_file_whole(tmp_path):
+    from fairseq_normplug.atomic_files import move_into_place
+
+    (tmp_path / "generate-test.txt").write_text("old")
+    (tmp_path / "finished").write_text("new")
+    move_into_place(str(tmp_path / "finished"), str(tmp_path / "generate-test.txt"))
+    assert os.listdir(tmp_path) == ["generate-test.txt"]
+    assert (tmp_path / "generate-test.txt").read_text() == "new"
+
+
+def test_publish_directory_replaces_an_older_folder_and_creates_the_parent(tmp_path):
+    from fairseq_normplug.atomic_files import publish_directory
+
+    stage = tmp_path / "corpus.tmp-1"
+    stage.mkdir()
+    (stage / "train.en").write_text("first")
+    publish_directory(str(stage), str(tmp_path / "data" / "corpus"))
+    stage.mkdir()
+    (stage / "valid.en").write_text("second")
+    publish_directory(str(stage), str(tmp_path / "data" / "corpus"))
+    assert sorted(os.listdir(tmp_path)) == ["data"] and os.listdir(tmp_path / "data") == ["corpus"]
+    assert os.listdir(tmp_path / "data" / "corpus") == ["valid.en"]
+
+
+def test_pid_running_tells_a_live_process_from_a_dead_one():
+    import subprocess
+    import sys
+
+    from fairseq_normplug.atomic_files import pid_running
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert pid_running(os.getpid()) and not pid_running(child.pid)

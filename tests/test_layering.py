@@ -11,8 +11,8 @@ from conftest import REPO
 LAYERS = (
     # standard library, torch and fairseq only: errors, set-up checks, atomic file writing,
     # fairseq's argument parsing, the plugin's paths, the toy corpus
-    {"errors", "install_plan", "atomic_files", "cli", "fairseq_parsing", "synthetic_corpus", "resources"},
-    {"numeric_flags"},            # the one check of every numeric flag (finite, in its declared range)
+    {"errors", "install_plan", "atomic_files", "cli", "fairseq_parsing", "resources"},
+    {"numeric_flags", "synthetic_corpus"},  # the toy corpus writes through atomic_files            # the one check of every numeric flag (finite, in its declared range)
     {"checkpoint_compat"},        # checkpoint loading: safe, a refusal one line (a NormplugError)
     {"fairseq_patches"},          # the three fairseq wrappers (one passes checkpoint_compat's refusals on)
     {"extensions", "hub"},        # loading a researcher's own norms and placements; hub files beside checkpoints

@@ -9,6 +9,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from fairseq_normplug.atomic_files import write_text_atomic
+
 DEFAULT_RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "results")
 
@@ -107,11 +109,6 @@ def publish(out: str, text: str, data: Dict) -> None:
 
 def write_results(out: str, text: str, data: Dict) -> None:
     """Write ``text`` (markdown) to ``out`` and ``data`` as JSON beside it (``.json``), each
-    to a temporary name first, then renamed: never a half-written table."""
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    for path, content in ((out, text), (os.path.splitext(out)[0] + ".json",
-                                        json.dumps(data, indent=1))):
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.replace(tmp, path)
+    through :func:`write_text_atomic`: never a half-written table."""
+    write_text_atomic(out, text)
+    write_text_atomic(os.path.splitext(out)[0] + ".json", json.dumps(data, indent=1))

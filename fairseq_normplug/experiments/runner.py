@@ -72,7 +72,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from fairseq_normplug.atomic_files import write_text_atomic
+from fairseq_normplug.atomic_files import move_into_place, write_text_atomic
 from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
@@ -814,7 +814,7 @@ def train(run: Run, extra: List[str] = (), echo: Callable[[str], None] = print) 
         # nothing to resume from (its checkpoints were lost, e.g. a run folder copied without
         # them): training starts from update 0, so the old log would count twice in its curves
         stale = run.path(f"train.log.no-checkpoint-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.replace(run.path("train.log"), stale)
+        move_into_place(run.path("train.log"), stale)
         echo(f"[{run.label}] no checkpoint to resume from: starting again (old log: {stale})")
         minutes_before = 0.0
     started = time.time()
@@ -978,7 +978,7 @@ def evaluate(run: Run, echo: Callable[[str], None] = print) -> Optional[dict]:
         os.remove(tmp)
         last = errors.strip().splitlines()[-1] if errors.strip() else f"exit {proc.returncode}"
         raise NormplugError(f"fairseq-generate failed for {run.label}: {last}")
-    os.replace(tmp, output)
+    move_into_place(tmp, output)
     scores = {**score_generation(output, run.data_dir, run.tgt), **selected_checkpoint(checkpoint)}
     write_json_atomic(scores_path, scores)
     echo(f"[{run.label}] update {scores['selected_update']} (dev BLEU {scores['dev_bleu']}): test BLEU "

@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from fairseq_normplug.atomic_files import move_into_place
+
 logger = logging.getLogger(__name__)
 
 NATIVE_ENV = "NORMPLUG_NATIVE"
@@ -134,7 +136,7 @@ def _build() -> str:
                 if proc.returncode != 0:
                     errors.append(f"{' '.join(flags)}: {_first_error(proc.stderr)}")
                     continue
-                os.replace(out, path)  # atomic: no half-written library is ever loaded
+                move_into_place(out, path)  # no half-written library is ever loaded
             logger.info("built %s in %.1f s", path, time.time() - start)
             return path
     raise RuntimeError("; ".join(errors))

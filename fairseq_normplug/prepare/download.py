@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from tqdm import tqdm
 
+from fairseq_normplug.atomic_files import move_into_place
 from fairseq_normplug.errors import NormplugError
 
 CHUNK_BYTES = 1 << 20
@@ -90,7 +91,7 @@ def fetch(url: str, path: str, log: Callable[[str], None]) -> str:
         raise NormplugError(f"{problem}; run again to resume, or download it yourself and pass "
                             "its local path")
     record = {"url": url, "size": os.path.getsize(part), "sha256": sha256_of(part)}
-    os.replace(part, path)
+    move_into_place(part, path)
     with open(_record_path(path), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
     return path

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Callable, Dict, List, Optional, Tuple
 
+from fairseq_normplug.atomic_files import pid_running, publish_directory
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.prepare import bpe as bpe_methods
 from fairseq_normplug.prepare.cli import DATA_ROOT, Log
@@ -194,7 +195,7 @@ def prepare(corpus: Corpus, options: Options, log: Log) -> str:
         with open(os.path.join(stage, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2, ensure_ascii=False)
             f.write("\n")
-        _publish(stage, options.dest)
+        publish_directory(stage, options.dest)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -412,27 +413,7 @@ def _remove_stale_staging(dest: str) -> None:
     """Delete ``DEST.tmp-<pid>`` folders that runs killed outright left behind."""
     for stage in glob.glob(glob.escape(dest) + ".tmp-*"):
         pid = stage.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_running(int(pid)):
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _publish(stage: str, dest: str) -> None:
-    """Rename the finished ``stage`` to ``dest``, replacing an older ``dest``."""
-    if os.path.exists(dest):
-        old = f"{dest}.old-{os.getpid()}"
-        os.rename(dest, old)
-        os.rename(stage, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.makedirs(os.path.dirname(dest) or ".", exist_ok=True)
-        os.rename(stage, dest)

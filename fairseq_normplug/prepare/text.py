@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 from tqdm import tqdm
 
+from fairseq_normplug.atomic_files import move_into_place
 from fairseq_normplug.errors import NormplugError
 
 _CHUNK_LINES = 2000
@@ -201,6 +202,6 @@ def filter_pairs(src_path: str, tgt_path: str, max_len: int,
             src_out.write(src + "\n")
             tgt_out.write(tgt + "\n")
             kept += 1
-    os.replace(src_tmp, src_path)
-    os.replace(tgt_tmp, tgt_path)
+    move_into_place(src_tmp, src_path)
+    move_into_place(tgt_tmp, tgt_path)
     return kept, dropped
