@@ -86,3 +86,19 @@ def test_figures_name_the_log_format_when_it_is_why_keys_are_missing(tmp_path):
     with pytest.raises(figures.MissingLogData) as missing:
         figures.plot_dyt_alpha({"LayerNorm": parsed("hydra_run")}, str(tmp_path / "b.png"))
     assert "--log-format" not in str(missing.value)
+
+
+def test_the_json_lines_of_a_log_as_fairseq_wrote_them():
+    """training_log.json_records: every reader of a streamed log (runner, preflight, the
+    benchmarks) gets the JSON records of one kind, the broken and the other lines skipped."""
+    from fairseq_normplug.experiments.training_log import json_records, last_num_updates
+
+    path = os.path.join(LOGS, "json.log")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    text += '2026-01-01 00:00:00 | INFO | train_inner | {"loss": "9.1", "num_upd\n'
+    text += '2026-01-01 00:00:00 | INFO | train_inner | ["not", "a", "record"]\n'
+    inner = json_records(text, "train_inner")
+    assert [record["num_updates"] for record in inner] == ["2", "4", "6"]
+    assert [record["valid_num_updates"] for record in json_records(text, "valid")] == ["3", "6"]
+    assert last_num_updates(path) == 6

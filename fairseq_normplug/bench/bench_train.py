@@ -19,7 +19,6 @@ maximum resident memory (CPU memory; on a GPU the device memory is not covered).
 divide by stock's figure of the same repetition, then take the median over repetitions.
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from fairseq_normplug.bench.common import (
     median, publish, steady_allocator_env,
 )
 from fairseq_normplug.cli import user_dir
+from fairseq_normplug.experiments.training_log import json_record
 
 SIZE_FLAGS = [
     "--encoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
@@ -137,9 +137,9 @@ def run_once(cmd: List[str], skip_updates: int, threads: int = 0) -> Dict:
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "| train_inner |" not in line and '"train_inner"' not in line:
+        record = json_record(line, "train_inner")
+        if record is None:
             continue
-        record = json.loads(line[line.index("{"):])
         update = int(record["num_updates"])
         if first_log is None:
             first_log = time.time() - start

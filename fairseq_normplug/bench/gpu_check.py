@@ -46,6 +46,7 @@ from fairseq_normplug.bench.bench_norms import candidates
 from fairseq_normplug.bench.bench_train import _bin, prepare_data
 from fairseq_normplug.bench.common import DEFAULT_RESULTS, machine_line, markdown_table, write_results
 from fairseq_normplug.cli import user_dir
+from fairseq_normplug.experiments.training_log import json_records
 from fairseq_normplug.modules import fused
 
 SECTIONS = ["norm_paths", "train_half", "generate", "bench_norms", "bench_train"]
@@ -210,18 +211,6 @@ def train_command(data: str, row: str, precision: str, cfg: Dict, device: torch.
         "--log-interval", str(cfg["log_interval"]), "--disable-validation", "--num-workers", "0",
         "--required-batch-size-multiple", "1", *save,
     ]
-
-
-def json_records(text: str, tag: str) -> List[Dict]:
-    """fairseq's JSON log records of one kind (train_inner, train)."""
-    out = []
-    for line in text.splitlines():
-        if f"| {tag} | " in line:
-            try:
-                out.append(json.loads(line.split(f"| {tag} | ", 1)[1]))
-            except ValueError:
-                pass
-    return out
 
 
 def judge_training(log: str, returncode: int, updates: int) -> Dict:

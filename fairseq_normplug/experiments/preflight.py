@@ -26,7 +26,6 @@ and a table is submitted only when it passes.
 """
 import contextlib
 import io
-import json
 import logging
 import os
 import shutil
@@ -40,6 +39,7 @@ import torch
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.tables import results_owner_problem
+from fairseq_normplug.experiments.training_log import json_records
 from fairseq_normplug.experiments.runner import Run, last_flag_value, plan_summary, subword_method, training_plan
 from fairseq_normplug.prepare.pipeline import SPLITS, mostly_empty_problem
 
@@ -170,16 +170,6 @@ def positions_problems(run: Run, args) -> List[str]:
     return problems
 
 
-def _records(log: str, kind: str) -> List[dict]:
-    out = []
-    for line in log.splitlines():
-        marker = f"| {kind} | "
-        if marker in line:
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line.split(marker, 1)[1]))
-    return out
-
-
 def short_training(run: Run, command: List[str], folder: str, updates: int) -> dict:
     """Train ``command`` for ``updates`` updates into ``folder``: {"error"} or its speed and
     memory: tokens_per_second, updates_per_second, peak_memory_gb (+ memory_kind),
@@ -196,10 +186,10 @@ def short_training(run: Run, command: List[str], folder: str, updates: int) -> d
     if proc.returncode != 0:
         lines = [line for line in log.strip().splitlines() if line.strip()]
         return {"error": f"exit {proc.returncode}: {lines[-1][:300] if lines else 'no output'}"}
-    records = _records(log, "train_inner")[1:] or _records(log, "train_inner")  # the first update warms up
+    records = json_records(log, "train_inner")[1:] or json_records(log, "train_inner")  # the first update warms up
     speed = {key: statistics.median(float(r[key]) for r in records if key in r) if any(key in r for r in records)
              else None for key in ("wps", "ups")}
-    gb_free = [float(r["gb_free"]) for r in _records(log, "train_inner") if "gb_free" in r]
+    gb_free = [float(r["gb_free"]) for r in json_records(log, "train_inner") if "gb_free" in r]
     gpu = bool(gb_free) and torch.cuda.is_available()
     peak = (torch.cuda.get_device_properties(0).total_memory / 2 ** 30 - min(gb_free) if gpu
             else usage.ru_maxrss / 2 ** 20)  # ru_maxrss: KiB on Linux

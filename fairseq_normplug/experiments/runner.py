@@ -59,7 +59,6 @@ import glob
 import json
 import math
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -79,6 +78,9 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, ownership, portable_paths
 from fairseq_normplug.experiments.command_flags import command_flags, last_flag_value  # noqa: F401 (reproduce, preflight)
 from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table, slug  # noqa: F401 (runner.slug)
+from fairseq_normplug.experiments.training_log import (  # noqa: F401 (runner.valid_record, runner.STOP_LINES)
+    STOP_LINES, dev_loss, last_num_updates, logged_stop_reason, valid_losses, valid_record,
+)
 from fairseq_normplug.optim.lr_scheduler.common import PAPER_STOP_LR
 from fairseq_normplug.prepare.bpe import METHODS as SUBWORD_METHODS
 
@@ -642,17 +644,6 @@ def check_data_dir(data_dir: str, pair: str) -> None:
                             f"prepare it with scripts/prepare_*.sh (docs/data.md)")
 
 
-def valid_record(line: str) -> Optional[dict]:
-    """The JSON record of a fairseq-train validation line, None for any other line."""
-    if "| valid | " not in line:
-        return None
-    try:
-        record = json.loads(line.split("| valid | ", 1)[1])
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def target_vocabulary_size(data_dir: str, tgt: str) -> Optional[int]:
     """|V| of the target dictionary: its lines plus fairseq's 4 special symbols; None without it."""
     path = os.path.join(data_dir, "bin", f"dict.{tgt}.txt")
@@ -667,23 +658,6 @@ def uniform_guess_bits(run: "Run") -> Optional[float]:
     of a uniform guess; None without a dictionary."""
     size = target_vocabulary_size(run.data_dir, run.tgt)
     return None if size is None else math.log2(size)
-
-
-def dev_loss(record: Optional[dict]) -> Optional[float]:
-    """The dev loss of a validation record (NaN and inf included), None without one."""
-    try:
-        return float(record.get("valid_loss"))
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-def valid_losses(log_path: str) -> List[float]:
-    """The dev losses a train.log recorded so far (an earlier attempt's, for a resumed run)."""
-    if not os.path.exists(log_path):
-        return []
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        losses = [dev_loss(valid_record(line)) for line in f]
-    return [loss for loss in losses if loss is not None]
 
 
 def diverged_at(record: dict, uniform: Optional[float], learned: bool) -> Optional[str]:
@@ -873,23 +847,11 @@ def _training_done(run: Run, minutes: float, updates: Optional[int], stopped: Op
     return run.set_status(status="done", minutes=round(minutes, 2), updates=updates, stopped_by=stopped)
 
 
-#: how fairseq-train says why it stopped: our schedulers' rules, fairseq's own --patience
-STOP_LINES = (re.compile(r"stopping training after update \d+: (?P<reason>.+)$"),
-              re.compile(r"(?P<reason>early stop since valid performance hasn't improved for last \d+ runs)"))
-
-
 def stopped_by(log_path: str, updates: Optional[int], max_update: Optional[str]) -> Optional[str]:
     """Why a finished training ended: the last stopping rule its log names (``--stop-lr``,
     ``--stop-patience``, fairseq's ``--patience``), else ``--max-update N`` when it reached it,
     else None (e.g. ``--max-epoch``, or no log)."""
-    reason = None
-    if os.path.exists(log_path):
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                for pattern in STOP_LINES:
-                    match = pattern.search(line.rstrip())
-                    if match:
-                        reason = match.group("reason")
+    reason = logged_stop_reason(log_path)
     if reason:
         return reason
     if updates is not None and max_update and updates >= int(max_update):
@@ -904,16 +866,6 @@ def _end_last_line(path: str) -> None:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 f.write(b"\n")
-
-
-def last_num_updates(log_path: str) -> Optional[int]:
-    found = None
-    with open(log_path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            match = re.search(r'"(?:train_|valid_)?num_updates": "(\d+)"', line)
-            if match:
-                found = int(match.group(1))
-    return found
 
 
 def subword_method(data_dir: str, assumed: Optional[str] = None) -> str:

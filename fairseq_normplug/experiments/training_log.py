@@ -221,3 +221,81 @@ def missing_records_cause(logs: Sequence[TrainingLog], kind: str) -> Optional[st
         return None
     return (f"the logs hold no {kind} records: they were written with --log-format {' and '.join(formats)}, "
             f"which never logs them; {USE_FORMAT}")
+
+
+# ---------------------------------------------------------------------------------------
+# Lines of a ``--log-format json`` log as fairseq writes them (values are strings), read as
+# they stream in: the runner's progress and divergence rule, the preflight's and the
+# benchmarks' speed.
+
+#: how fairseq-train says why it stopped: the plugin's schedulers' rules, fairseq's own --patience
+STOP_LINES = (re.compile(r"stopping training after update \d+: (?P<reason>.+)$"),
+              re.compile(r"(?P<reason>early stop since valid performance hasn't improved for last \d+ runs)"))
+#: the update number of any JSON record (train_inner, train, valid)
+JSON_UPDATE = re.compile(r'"(?:train_|valid_)?num_updates": "(\d+)"')
+
+
+def json_record(line: str, kind: str) -> Optional[dict]:
+    """The JSON record of one log line of ``kind`` (``train_inner``, ``train``, ``valid``) as
+    fairseq wrote it, None for any other line or a broken one."""
+    marker = f"| {kind} | "
+    if marker not in line:
+        return None
+    try:
+        record = json.loads(line.split(marker, 1)[1])
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def json_records(text: str, kind: str) -> List[dict]:
+    """The JSON records of ``kind`` in the log ``text``, in order (:func:`json_record`)."""
+    records = (json_record(line, kind) for line in text.splitlines())
+    return [record for record in records if record is not None]
+
+
+def valid_record(line: str) -> Optional[dict]:
+    """The JSON record of a fairseq-train validation line, None for any other line."""
+    return json_record(line, "valid")
+
+
+def dev_loss(record: Optional[dict]) -> Optional[float]:
+    """The dev loss of a validation record (NaN and inf included), None without one."""
+    try:
+        return float(record.get("valid_loss"))
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def valid_losses(log_path: str) -> List[float]:
+    """The dev losses a train.log recorded so far (an earlier attempt's, for a resumed run)."""
+    if not os.path.exists(log_path):
+        return []
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        losses = [dev_loss(valid_record(line)) for line in f]
+    return [loss for loss in losses if loss is not None]
+
+
+def logged_stop_reason(log_path: str) -> Optional[str]:
+    """The last stopping rule the log at ``log_path`` names (:data:`STOP_LINES`: ``--stop-lr``,
+    ``--stop-patience``, fairseq's ``--patience``); None without one or without a log."""
+    reason = None
+    if os.path.exists(log_path):
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                for pattern in STOP_LINES:
+                    match = pattern.search(line.rstrip())
+                    if match:
+                        reason = match.group("reason")
+    return reason
+
+
+def last_num_updates(log_path: str) -> Optional[int]:
+    """The update number of the last JSON record in the log at ``log_path`` (None without one)."""
+    found = None
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            match = JSON_UPDATE.search(line)
+            if match:
+                found = int(match.group(1))
+    return found
