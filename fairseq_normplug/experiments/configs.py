@@ -24,12 +24,12 @@ import json
 import math
 import os
 import re
-import shlex
 import unicodedata
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Union
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.flag_lists import split_flags
 from fairseq_normplug.resources import CONFIG_DIR, PROJECT_DIR
 
 EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
@@ -431,7 +431,7 @@ def with_added_rows(table: Table, specs: Sequence[str], modules: Sequence[str] =
                                 f"rename the added row")
         folders[slug(name)] = name
         try:
-            model = shlex.split(flags)
+            model = split_flags(flags)
         except ValueError as error:
             raise NormplugError(f"--add-row {name!r}: its flags do not parse as a shell line ({error})") from None
         names.add(name)

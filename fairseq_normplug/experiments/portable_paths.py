@@ -28,7 +28,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
-from fairseq_normplug.experiments.command_flags import last_flag_value
+from fairseq_normplug.flag_lists import last_flag_value
 from fairseq_normplug.resources import PACKAGE_DIR, PROJECT_DIR
 
 #: the placeholders, most specific first when two folders nest at the same depth

@@ -59,7 +59,6 @@ import glob
 import json
 import math
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -75,8 +74,8 @@ from fairseq_normplug.atomic_files import move_into_place, write_text_atomic
 from fairseq_normplug import checkpoint_safety, hub
 from fairseq_normplug.checkpoint_compat import safe_load
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.flag_lists import command_flags, last_flag_value, split_flags  # noqa: F401 (reproduce, preflight)
 from fairseq_normplug.experiments import bleu, ownership, portable_paths
-from fairseq_normplug.experiments.command_flags import command_flags, last_flag_value  # noqa: F401 (reproduce, preflight)
 from fairseq_normplug.experiments.configs import Recipe, Row, Schedule, Table, slug  # noqa: F401 (runner.slug)
 from fairseq_normplug.experiments.training_log import (  # noqa: F401 (runner.valid_record, runner.STOP_LINES)
     STOP_LINES, dev_loss, last_num_updates, logged_stop_reason, valid_losses, valid_record,
@@ -373,7 +372,7 @@ def train_flags(text: str) -> List[str]:
     """``--train-flags``, split as a shell splits it (quotes keep ``'(0.9, 0.999)'`` one value);
     a flag the runner sets in every run (:func:`runner_owned_problem`) is refused in one line."""
     try:
-        flags = shlex.split(text)
+        flags = split_flags(text)
     except ValueError as error:
         raise NormplugError(f"--train-flags {text!r}: {error} (it is split like a shell command line)") from None
     problem = runner_owned_problem(flags)

@@ -53,6 +53,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from fairseq_normplug.atomic_files import write_text_atomic
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.flag_lists import parse_flag_list
 from fairseq_normplug.experiments.portable_paths import default_roots, to_portable
 from fairseq_normplug.models.norm_types_per_layer import spec_label
 from fairseq_normplug.models.placement_args import placement_name
@@ -240,18 +241,8 @@ def config_string(flags: Sequence[str], schedule: str) -> str:
 
 
 def _parse_flags(tokens: Sequence[str]) -> Dict[str, object]:
-    flags: Dict[str, object] = {}
-    for i, token in enumerate(tokens):
-        if not token.startswith("--"):
-            continue
-        if "=" in token:
-            name, value = token.split("=", 1)
-        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
-            name, value = token, tokens[i + 1]
-        else:
-            name, value = token, True
-        flags[name] = value  # the last occurrence wins, as in argparse
-    return flags
+    """{flag: its first value, True for a switch} (flag_lists' rules: the last occurrence wins)."""
+    return {name: values[0] if values else True for name, values in parse_flag_list(tokens).items()}
 
 
 def _row_placement(flags: Dict[str, object]) -> str:

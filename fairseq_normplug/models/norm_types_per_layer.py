@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.flag_lists import flag
 from fairseq_normplug.models.placements.base import STOCK_LAYER_SLOTS
-from fairseq_normplug.modules.norm_registry import (AUTO, NORM_TYPES, SCALE_INIT_RANGE, flag, get_norm_type,
+from fairseq_normplug.modules.norm_registry import (AUTO, NORM_TYPES, SCALE_INIT_RANGE, get_norm_type,
                                                      zero_centered_gamma_error)
 from fairseq_normplug.numeric_flags import number_error
 

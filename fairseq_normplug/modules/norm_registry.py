@@ -44,6 +44,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 from torch import nn
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.flag_lists import flag
 from fairseq_normplug.numeric_flags import NumberRange, check_number, check_number_flags, number_flag
 
 #: an init value meaning "choose from the first training batch" (``auto_init.py``)
@@ -65,11 +66,6 @@ class NormSlot:
     role: str = FFN
     feeds_output: bool = False
     name: str = ""
-
-
-def flag(dest: str) -> str:
-    """``dyt_alpha_init`` -> ``--dyt-alpha-init``."""
-    return "--" + dest.replace("_", "-")
 
 
 class NormType:

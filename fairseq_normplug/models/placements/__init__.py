@@ -14,6 +14,7 @@ Adding a built-in: one file here and its line below (the import registers it; th
 the lines is the order of the choices).
 """
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.flag_lists import parse_flag_list
 from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBLAYER_NORMS, LayerDesign, Modifier,
                                                     Placement, layer_norm_slots, new_norm, register_modifier,
                                                     register_placement, registered_designs, set_final_norm)
@@ -38,9 +39,10 @@ def placement_label(name: str, modifiers=()) -> str:
 def training_task(model_flags) -> "str | None":
     """The fairseq task the placement or modifiers of ``model_flags`` (a command line's model
     flags) must train under (their ``training_task``: nGPT's renormalising step), or None."""
-    designs = [MODIFIERS[flag[2:]] for flag in model_flags if flag.startswith("--") and flag[2:] in MODIFIERS]
-    if "--norm-placement" in model_flags:
-        designs.append(PLACEMENTS[model_flags[model_flags.index("--norm-placement") + 1]])
+    flags = parse_flag_list(model_flags)
+    designs = [MODIFIERS[name[2:]] for name in flags if name[2:] in MODIFIERS]
+    if flags.get("--norm-placement"):
+        designs.append(PLACEMENTS[flags["--norm-placement"][0]])
     tasks = {design.training_task for design in designs if design.training_task}
     if len(tasks) > 1:
         raise NormplugError(f"{' '.join(model_flags)} combines designs that need different tasks: {sorted(tasks)}")

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from fairseq.modules import LayerNorm
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.flag_lists import flag  # noqa: F401 (the placements import it from here)
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL
 
 Sublayers = Sequence[Tuple[str, Callable[[Tensor], Tensor]]]
@@ -67,11 +68,6 @@ def new_norm(dim: int, role: str) -> nn.Module:
     it into the chosen ``--norm-type`` with every other norm of the model (it must be listed in
     the placement's ``norm_slots``)."""
     return LayerNorm(dim)
-
-
-def flag(dest: str) -> str:
-    """``mix_ln_ratio`` -> ``--mix-ln-ratio``."""
-    return "--" + dest.replace("_", "-")
 
 
 def set_final_norm(stack: nn.Module, norm) -> None:
