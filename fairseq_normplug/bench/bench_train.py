@@ -64,7 +64,7 @@ def beyond_variants() -> Dict[str, List[str]]:
     (docs/speed.md): the depth sweep aside (the same modules, more layers), each set of model
     flags once, PostNorm and PreNorm + LayerNorm being ``off`` and ``prenorm``."""
     from fairseq_normplug.experiments.configs import load_table
-    from fairseq_normplug.experiments.runner import slug
+    from fairseq_normplug.experiments.configs import slug
     from fairseq_normplug.models.placements import training_task
 
     variants, seen = {}, [[], ["--prenorm"]]

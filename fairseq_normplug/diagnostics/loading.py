@@ -22,7 +22,7 @@ from fairseq_normplug.checkpoint_compat import load_error
 from fairseq_normplug.cli import user_dir
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu
-from fairseq_normplug.experiments.runner import subword_method
+from fairseq_normplug.experiments.run_commands import subword_method
 from fairseq_normplug.models.norm_placement import named_norms
 
 #: fairseq-generate settings of the dev BLEU, the same for every stage of a report (beam 4,
