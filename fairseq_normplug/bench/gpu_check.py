@@ -29,25 +29,24 @@ status: 0 when every check passed, 1 otherwise, 2 when there is no CUDA device a
 import argparse
 import copy
 import json
-import math
 import os
-import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
-import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from fairseq_normplug.bench.bench_norms import candidates
-from fairseq_normplug.bench.bench_train import _bin, prepare_data
+from fairseq_normplug.bench.bench_train import prepare_data
 from fairseq_normplug.bench.common import DEFAULT_RESULTS, machine_line, markdown_table, write_results
-from fairseq_normplug.cli import user_dir
-from fairseq_normplug.experiments.training_log import json_records
 from fairseq_normplug.modules import fused
+from fairseq_normplug.bench.check_report import Deadline, Report, guarded
+from fairseq_normplug.bench.gpu_check_training import (  # noqa: F401 (gpu_check.judge_training, ...)
+    FIXNORM_ROW, PRECISION_FLAGS, ROWS, judge_generation, judge_training, run_generate, run_trainings, train_command,
+)
 
 SECTIONS = ["norm_paths", "train_half", "generate", "bench_norms", "bench_train"]
 #: share of --budget-s per section; norm_paths runs while train_half's runs train
@@ -57,15 +56,6 @@ SHARES = {"norm_paths": 0.2, "train_half": 0.4, "generate": 0.06,
 #: (values, gradients) tolerance, max |fast - reference| / max |reference|, per dtype
 TOLERANCE = {"float32": (1e-5, 1e-4), "bfloat16": (1.6e-2, 3.2e-2), "float16": (2e-3, 4e-3)}
 DTYPES = ["float32", "bfloat16", "float16"]
-#: the paper's main rows (Nguyen & Salazar Table 1-2) and the DyT row; FIXNORM_ROW is decoded
-ROWS = {
-    "postnorm-layernorm": [],
-    "prenorm-layernorm": ["--prenorm"],
-    "prenorm-scalenorm-fixnorm-smallinit": ["--prenorm", "--scalenorm", "--fixnorm",
-                                            "--smallinit"],
-    "prenorm-dyt": ["--prenorm", "--dyt"],
-}
-FIXNORM_ROW = "prenorm-scalenorm-fixnorm-smallinit"
 SIZES = {
     # one H200: a d=512 6+6 model (transformer_normplug = transformer base)
     "full": dict(norm_shape=(64, 64, 512), arch="transformer_normplug", rows=list(ROWS), updates=200, lr=5e-4,
@@ -84,46 +74,6 @@ SIZES = {
                               "--skip-updates", "1", "--log-interval", "1",
                               "--max-tokens", "300"]),
 }
-PRECISION_FLAGS = {"fp32": [], "fp16": ["--fp16"], "bf16": ["--bf16"]}
-
-
-class Report:
-    """The checks recorded so far; thread-safe (training runs report from a thread)."""
-
-    def __init__(self):
-        self.checks: List[Dict] = []
-        self._lock = threading.Lock()
-
-    def add(self, section: str, name: str, status: str, numbers: Optional[Dict] = None,
-            detail: str = "", seconds: float = 0.0) -> Dict:
-        check = {"section": section, "name": name, "status": status,
-                 "numbers": numbers or {}, "detail": detail, "seconds": round(seconds, 2)}
-        with self._lock:
-            self.checks.append(check)
-        return check
-
-    def passed(self) -> bool:
-        return bool(self.checks) and all(c["status"] == "pass" for c in self.checks)
-
-
-class Deadline:
-    def __init__(self, seconds: float):
-        self.end = time.time() + seconds
-
-    def left(self) -> float:
-        return self.end - time.time()
-
-
-def guarded(report: Report, section: str, name: str, fn: Callable[[], None]) -> None:
-    """Run ``fn``; an exception becomes a failed check (its last line), never a crash."""
-    start = time.time()
-    try:
-        fn()
-    except Exception as error:  # one failing check must not stop the others
-        last = (str(error).strip().splitlines() or [type(error).__name__])[-1]
-        report.add(section, name, "fail", detail=f"{type(error).__name__}: {last}"[:500],
-                   seconds=time.time() - start)
-        traceback.print_exc()
 
 
 # ---------------------------------------------------------------------------- norm_paths
@@ -194,143 +144,8 @@ def run_norm_paths(report: Report, cfg: Dict, device: torch.device, deadline: De
 
 # ---------------------------------------------------------------------------- train_half
 
-def train_command(data: str, row: str, precision: str, cfg: Dict, device: torch.device,
-                  save_dir: Optional[str]) -> List[str]:
-    flags = list(ROWS[row])
-    if "--fixnorm" in flags:
-        flags.append("--share-all-embeddings")
-    save = ["--save-dir", save_dir, "--no-epoch-checkpoints"] if save_dir else ["--no-save"]
-    return [
-        _bin("fairseq-train"), data, "--user-dir", user_dir(), "--arch", cfg["arch"], *flags,
-        *PRECISION_FLAGS[precision], *(["--cpu"] if device.type == "cpu" else []),
-        "--task", "translation", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
-        "--lr", str(cfg["lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates",
-        str(max(1, cfg["updates"] // 2)), "--criterion", "label_smoothed_cross_entropy",
-        "--label-smoothing", "0.1", "--clip-norm", "1.0", "--max-tokens", str(cfg["max_tokens"]),
-        "--seed", "1", "--max-update", str(cfg["updates"]), "--log-format", "json",
-        "--log-interval", str(cfg["log_interval"]), "--disable-validation", "--num-workers", "0",
-        "--required-batch-size-multiple", "1", *save,
-    ]
-
-
-def judge_training(log: str, returncode: int, updates: int) -> Dict:
-    """Status, numbers and detail of one training run from its log."""
-    inner = json_records(log, "train_inner")
-    losses = [float(r["loss"]) for r in inner]
-    last_update = max([int(r["num_updates"]) for r in inner]
-                      + [int(r["train_num_updates"]) for r in json_records(log, "train")] or [0])
-    numbers = {"updates": last_update, "first_loss": losses[0] if losses else None,
-               "last_loss": losses[-1] if losses else None}
-    wps = [float(r["wps"]) for r in inner[1:]]  # the first interval holds start-up
-    if wps:
-        numbers["tok_s"] = round(sum(wps) / len(wps))
-    if inner and "loss_scale" in inner[-1]:
-        numbers["min_loss_scale"] = min(float(r.get("loss_scale", "inf")) for r in inner)
-    problems = []
-    if returncode != 0:
-        tail = [line for line in log.strip().splitlines() if line.strip()][-1:] or [""]
-        problems.append(f"exit status {returncode}: {tail[0][-300:]}")
-    if len(losses) < 2:
-        problems.append(f"{len(losses)} logged losses")
-    elif not all(math.isfinite(v) for v in losses):
-        problems.append("non-finite loss")
-    elif not losses[-1] < losses[0]:
-        problems.append(f"loss did not decrease ({losses[0]:.3f} -> {losses[-1]:.3f})")
-    if last_update < updates and returncode == 0:
-        problems.append(f"stopped at update {last_update} of {updates}")
-    return {"status": "fail" if problems else "pass", "numbers": numbers,
-            "detail": "; ".join(problems)}
-
-
-def run_trainings(report: Report, jobs: List[Dict], at_once: int, deadline: Deadline,
-                  section: str = "train_half") -> None:
-    """Run ``jobs`` (name, cmd, log, updates) ``at_once`` at a time; a run still going at the
-    deadline is killed (timeout), one not started is skipped."""
-    waiting, running = list(jobs), []
-    while waiting or running:
-        while waiting and len(running) < at_once:
-            job = waiting.pop(0)
-            if deadline.left() <= 0:
-                report.add(section, job["name"], "skipped", detail="section budget spent")
-                continue
-            log = open(job["log"], "w")
-            env = {**os.environ, "PYTHONWARNINGS": "ignore",
-                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-            proc = subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)
-            running.append((job, proc, log, time.time()))
-        time.sleep(0.2)
-        for entry in list(running):
-            job, proc, log, start = entry
-            timed_out = proc.poll() is None and deadline.left() <= 0
-            if timed_out:
-                proc.kill()
-                proc.wait()
-            if proc.poll() is None:
-                continue
-            running.remove(entry)
-            log.close()
-            with open(job["log"]) as f:
-                text = f.read()
-            verdict = judge_training(text, proc.returncode, job["updates"])
-            if timed_out:
-                verdict["status"] = "timeout"
-                verdict["detail"] = (f"killed at the section deadline after update "
-                                     f"{verdict['numbers']['updates']}")
-            report.add(section, job["name"], verdict["status"], verdict["numbers"],
-                       verdict["detail"], time.time() - start)
-
 
 # ---------------------------------------------------------------------------- generate
-
-TRANSLATED = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s "
-                        r"\(([\d.]+) sentences/s, ([\d.]+) tokens/s\)")
-
-
-def judge_generation(stdout: str, stderr: str, returncode: int) -> Dict:
-    sources = [line for line in stdout.splitlines() if line.startswith("S-")]
-    hyps = [line.split("\t") for line in stdout.splitlines() if line.startswith("H-")]
-    scores = [float(h[1]) for h in hyps if len(h) > 1]
-    numbers = {"sentences": len(sources), "hypotheses": len(hyps)}
-    match = TRANSLATED.search(stdout + stderr)
-    if match:
-        numbers["tok_s"] = float(match.group(5))
-    bleu = re.search(r"BLEU4? = ([\d.]+)", stdout + stderr)
-    if bleu:
-        numbers["bleu"] = float(bleu.group(1))
-    problems = []
-    if returncode != 0:
-        tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] or [""]
-        problems.append(f"exit status {returncode}: {tail[0][-300:]}")
-    if not hyps or len(hyps) != len(sources):
-        problems.append(f"{len(hyps)} hypotheses for {len(sources)} sentences")
-    if not all(math.isfinite(s) for s in scores):
-        problems.append("non-finite hypothesis scores")
-    return {"status": "fail" if problems else "pass", "numbers": numbers,
-            "detail": "; ".join(problems)}
-
-
-def run_generate(report: Report, data: str, checkpoint: str, precision: str,
-                 device: torch.device, deadline: Deadline) -> None:
-    name = " ".join(["fairseq-generate", *PRECISION_FLAGS[precision], FIXNORM_ROW])
-    if not os.path.exists(checkpoint):
-        report.add("generate", name, "fail", detail=f"no checkpoint: {FIXNORM_ROW} training "
-                                                    f"did not save {checkpoint}")
-        return
-    cmd = [_bin("fairseq-generate"), data, "--user-dir", user_dir(), "--path", checkpoint,
-           *PRECISION_FLAGS[precision], *(["--cpu"] if device.type == "cpu" else []),
-           "--beam", "4", "--gen-subset", "test", "--max-tokens", "8000",
-           "--required-batch-size-multiple", "1"]
-    start = time.time()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, deadline.left()),
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    except subprocess.TimeoutExpired:
-        report.add("generate", name, "timeout", detail="killed at the section deadline",
-                   seconds=time.time() - start)
-        return
-    verdict = judge_generation(proc.stdout, proc.stderr, proc.returncode)
-    report.add("generate", name, verdict["status"], verdict["numbers"], verdict["detail"],
-               time.time() - start)
 
 
 # ---------------------------------------------------------------------------- benchmarks
