@@ -36,7 +36,6 @@ swap on dev loss is reported and the command exits with status 3.
 """
 import argparse
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -46,7 +45,7 @@ from typing import Dict, List, Optional
 import torch
 from omegaconf import OmegaConf, open_dict
 
-from fairseq_normplug.atomic_files import atomic_output, write_text_atomic
+from fairseq_normplug.atomic_files import atomic_output
 from fairseq_normplug.cli import user_dir
 from fairseq_normplug.diagnostics import fitting
 from fairseq_normplug.diagnostics.loading import (
@@ -56,6 +55,9 @@ from fairseq_normplug.diagnostics.loading import (
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.portable_paths import shown_path  # noqa: F401 (remove_norms: convert.shown_path)
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
+from fairseq_normplug.diagnostics.conversion_report import (  # noqa: F401 (convert.report_paths, ...)
+    render_markdown, report_paths, stage_table, write_report,
+)
 
 #: calibration batches hold at most this many source tokens each
 CALIBRATION_BATCH_TOKENS = 4000
@@ -250,23 +252,6 @@ def control_stage(checkpoint: str, data_dir: str, loaded: LoadedCheckpoint, out:
                     f"LayerNorm + the same {updates}-update fine-tune (control)")
 
 
-def _num(value, digits=3) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _affine_label(fit: dict) -> str:
-    if fit.get("beta_refitted"):
-        return "joint fit"
-    return "gamma refitted" if fit["gamma_refitted"] else "copied"
-
-
-def stage_table(stages: List[dict]) -> List[str]:
-    """The markdown rows of a report's dev numbers, one row per stage."""
-    return ["| stage | dev loss | dev nll loss | dev BLEU |", "| --- | ---: | ---: | ---: |"] + [
-        f"| {stage['stage']} | {_num(stage['loss'])} | {_num(stage['nll_loss'])} | {_num(stage.get('bleu'), 2)} |"
-        for stage in stages]
-
-
 def stage_evaluator(loaded: LoadedCheckpoint, generation: dict, echo):
     """``evaluate(model, stage)``: the dev loss and BLEU of one report stage (echoed)."""
     criterion = loaded.task.build_criterion(loaded.cfg.criterion)
@@ -277,37 +262,6 @@ def stage_evaluator(loaded: LoadedCheckpoint, generation: dict, echo):
         return result
 
     return evaluate
-
-
-def write_report(out: str, report: dict, markdown: str):
-    """``<OUT>.report.json`` and ``.report.md`` (atomically); returns their paths."""
-    json_path, md_path, _ = report_paths(out)
-    write_text_atomic(json_path, json.dumps(report, indent=2) + "\n")
-    write_text_atomic(md_path, markdown)
-    return json_path, md_path
-
-
-def render_markdown(report: dict) -> str:
-    """The report's tables: dev numbers per stage, then the fit of every norm site."""
-    lines = [f"# Conversion of {shown_path(report['checkpoint'])} to {report['to']}", "",
-             f"Dev set of {shown_path(report['data'])}; calibration ({report.get('calibration', 'per-norm')}, "
-             f"gamma/beta {report.get('affine', 'gamma')}) on {report['calibration_tokens']} training "
-             f"tokens; dev BLEU tokenized, beam {report['generation']['beam']}.", "",
-             *stage_table(report["stages"])]
-    verdict = "beats" if report["calibration_beats_naive"] else "does NOT beat"
-    lines += ["", f"Calibration {verdict} the naive swap on dev loss.", "",
-              "| norm | input std | 1/std | fitted alpha | gamma/beta | MSE naive | MSE calibrated | "
-              "MSE / Var(LN output) |", "| --- | ---: | ---: | ---: | :---: | ---: | ---: | ---: |"]
-    for name, fit in report["fits"].items():
-        lines.append(f"| {name} | {fit['in_std']:.3g} | {1 / fit['in_std']:.3g} | {fit['alpha']:.3g} | "
-                     f"{_affine_label(fit)} | {fit['naive_mse']:.3g} | "
-                     f"{fit['mse']:.3g} | {fit['mse'] / max(fit['out_var'], 1e-12):.3g} |")
-    return "\n".join(lines) + "\n"
-
-
-def report_paths(out: str):
-    stem = out[:-3] if out.endswith(".pt") else out
-    return f"{stem}.report.json", f"{stem}.report.md", f"{stem}.finetune"
 
 
 def convert(checkpoint: str, data_dir: str, out: str, to: str = "dyt", finetune_updates: int = 0,
