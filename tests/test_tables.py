@@ -1,6 +1,7 @@
 """Result tables (fairseq_normplug.experiments.tables) and the published numbers they cite."""
 import json
 import os
+import re
 
 import pytest
 
@@ -318,3 +319,15 @@ def test_multi_bleu_detok_is_13a_tokenization_of_the_tokenized_lines():
     assert "tok:13a" in bleu.multi_bleu_detok(hyps, refs).signature
     assert "smooth:none" in bleu.multi_bleu_detok(hyps, refs).signature
     assert bleu.score_translation(hyps, refs)["multi_bleu_detok"] == pytest.approx(100.0)
+
+
+def test_a_paper_results_file_is_read_as_every_json_config(tmp_path):
+    """experiments/json_config.py reads paper_results.json as it reads configs/: a file that is not
+    JSON, or holds a number that is not finite, is one line naming it."""
+    bad = tmp_path / "paper.json"
+    bad.write_text('{"tables": {"t": {"pairs": ["aa-bb"], "references": [{"bleu": {"aa-bb": NaN}}]}}}')
+    with pytest.raises(NormplugError, match=f"^{re.escape(str(bad))}: invalid JSON .*NaN is not a number"):
+        tables.load_paper_results(str(bad))
+    bad.write_text('{"tables": ')
+    with pytest.raises(NormplugError, match=f"^{re.escape(str(bad))}: invalid JSON"):
+        tables.load_paper_results(str(bad))

@@ -20,8 +20,6 @@ A typo anywhere (unknown key, unknown schedule/recipe/baseline, duplicate row) i
 not a UTF-8 JSON object, a number that is not finite (``NaN``, ``Infinity``, ``1e999``) or out
 of its range, two rows whose names map to one run folder, and a pair name that is not ``xx-yy``.
 """
-import json
-import math
 import os
 import re
 import unicodedata
@@ -31,6 +29,7 @@ from typing import Dict, List, Optional, Sequence, Union
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.flag_lists import split_flags
 from fairseq_normplug.resources import CONFIG_DIR, PROJECT_DIR
+from fairseq_normplug.experiments.json_config import check_keys, read_json_config
 
 EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
 
@@ -141,46 +140,6 @@ class Table:
         raise NormplugError(f"{self.name}: no row named {name!r}; rows: {', '.join(r.name for r in self.rows)}")
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows here (numbers must be finite)")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is not finite")
-    return value
-
-
-def _read_json(path: str) -> dict:
-    """The JSON object in ``path``, every number finite; a missing file, one that is not UTF-8
-    JSON (``NaN`` and ``Infinity`` included), or JSON that is not an object is a one-line
-    :class:`NormplugError` naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f, parse_constant=_no_constant, parse_float=_finite_float)
-    except FileNotFoundError:
-        raise NormplugError(f"config file not found: {path}") from None
-    except UnicodeDecodeError as error:
-        raise NormplugError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
-    except ValueError as error:  # json.JSONDecodeError, and the two hooks' errors
-        raise NormplugError(f"{path}: invalid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise NormplugError(f"{path}: expected a JSON object {{...}}, got {type(data).__name__}")
-    return data
-
-
-def _check_keys(data: dict, allowed: set, where: str, required=()) -> None:
-    if not isinstance(data, dict):
-        raise NormplugError(f"{where}: expected an object, got {type(data).__name__}")
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise NormplugError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(allowed))}")
-    missing = [key for key in required if key not in data]
-    if missing:
-        raise NormplugError(f"{where}: missing key {missing[0]!r}")
-
-
 def _check_flags(value, where: str) -> List[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise NormplugError(f"{where}: expected a list of strings (command-line flags), got {value!r}")
@@ -201,7 +160,7 @@ def extension_flags(modules: Sequence[str], base: str = ".") -> List[str]:
 
 
 def _named_entries(path: str) -> Dict[str, dict]:
-    return {name: value for name, value in _read_json(path).items() if not name.startswith("_")}
+    return {name: value for name, value in read_json_config(path).items() if not name.startswith("_")}
 
 
 def _check_flag_map(value, where: str) -> Dict[str, Union[str, bool]]:
@@ -224,12 +183,12 @@ def _merged_recipe(name: str, raw: Dict[str, dict], path: str, seen: tuple = ())
     """The recipe ``name`` with its base's values filled in (bases resolved recursively)."""
     where = f"{path}: recipe {name!r}"
     data = raw[name]
-    _check_keys(data, RECIPE_KEYS, where)
+    check_keys(data, RECIPE_KEYS, where)
     for key in ("train", "generate"):
         if key in data:
             _check_flag_map(data[key], f"{where}: {key!r}")
     if "decoding" in data:
-        _check_keys(data["decoding"], DECODING_KEYS, f"{where}: 'decoding'")
+        check_keys(data["decoding"], DECODING_KEYS, f"{where}: 'decoding'")
     if "base" not in data:
         for key in ("arch", "train", "decoding", "generate"):
             if key not in data:
@@ -321,7 +280,7 @@ def load_schedules(config_dir: str = CONFIG_DIR) -> Dict[str, Schedule]:
     schedules = {}
     for name, data in _named_entries(path).items():
         where = f"{path}: schedule {name!r}"
-        _check_keys(data, SCHEDULE_KEYS, where, required=("flags", "warmup"))
+        check_keys(data, SCHEDULE_KEYS, where, required=("flags", "warmup"))
         if isinstance(data["warmup"], bool) or not isinstance(data["warmup"], int) or data["warmup"] < 0:
             raise NormplugError(f"{where}: 'warmup' must be an integer >= 0, got {data['warmup']!r}")
         schedules[name] = Schedule(name=name, flags=_check_flags(data["flags"], where),
@@ -340,8 +299,8 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
     if name not in tables:
         raise NormplugError(f"unknown table {name!r}; choose from {', '.join(tables)}")
     path = os.path.join(config_dir, "experiments", f"{name}.json")
-    data = _read_json(path)
-    _check_keys(data, TABLE_KEYS, path, required=("recipe", "pairs", "rows"))
+    data = read_json_config(path)
+    check_keys(data, TABLE_KEYS, path, required=("recipe", "pairs", "rows"))
     recipes, schedules = load_recipes(config_dir), load_schedules(config_dir)
     if data["recipe"] not in recipes:
         raise NormplugError(f"{path}: unknown recipe {data['recipe']!r}; choose from {', '.join(recipes)}")
@@ -351,7 +310,7 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
     table_modules = _check_flags(data.get("normplug_modules", []), f"{path}: normplug_modules")
     for index, row_data in enumerate(data["rows"]):
         where = f"{path}: row {index + 1}"
-        _check_keys(row_data, ROW_KEYS, where, required=("name", "model", "schedule"))
+        check_keys(row_data, ROW_KEYS, where, required=("name", "model", "schedule"))
         modules = table_modules + _check_flags(row_data.get("normplug_modules", []), f"{where}: normplug_modules")
         row = Row(name=row_data["name"],
                   model=_check_flags(row_data["model"], where) + extension_flags(modules, PROJECT_DIR),

@@ -2,12 +2,12 @@
 each reference names its source, metric and configuration; a row's configuration is read from
 its ``config`` string (:func:`config_string`: its flags and schedule) by :data:`CONFIGURATION_KEYS`,
 and only a reference of the same configuration and metric is shown beside it."""
-import json
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.json_config import check_keys, read_json_config
 from fairseq_normplug.flag_lists import parse_flag_list
 from fairseq_normplug.experiments.portable_paths import default_roots, to_portable
 from fairseq_normplug.models.norm_types_per_layer import spec_label
@@ -70,14 +70,6 @@ class Reference:
                                                  for key, value in self.configuration.items())
 
 
-def _check_keys(data, allowed, where: str) -> None:
-    if not isinstance(data, dict):
-        raise NormplugError(f"{where}: expected an object, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        raise NormplugError(f"{where}: unknown key {unknown[0]!r}; valid keys: {', '.join(sorted(allowed))}")
-
-
 def _check_metric(metric, where: str, choices: Sequence[str] = tuple(METRICS)) -> str:
     if metric not in choices:
         raise NormplugError(f"{where}: unknown metric {metric!r}; choose from {', '.join(choices)}")
@@ -87,15 +79,15 @@ def _check_metric(metric, where: str, choices: Sequence[str] = tuple(METRICS)) -
 def _load_reference(table: str, spec: dict, data, where: str) -> Reference:
     if isinstance(data, Reference):
         return data
-    _check_keys(data, REFERENCE_KEYS, where)
+    check_keys(data, REFERENCE_KEYS, where)
     for key in ("source", "metric", "configuration", "bleu"):
         if key not in data:
             raise NormplugError(f"{where}: missing key {key!r} (every published number records its "
                                 f"source, metric, configuration and numbers)")
-    _check_keys(data["configuration"], CONFIGURATION_KEYS, f"{where}: configuration")
+    check_keys(data["configuration"], CONFIGURATION_KEYS, f"{where}: configuration")
     if not data["configuration"]:
         raise NormplugError(f"{where}: empty configuration; give some of {', '.join(CONFIGURATION_KEYS)}")
-    _check_keys(data["bleu"], spec.get("pairs", []), f"{where}: bleu (pairs of the table)")
+    check_keys(data["bleu"], spec.get("pairs", []), f"{where}: bleu (pairs of the table)")
     for pair, value in data["bleu"].items():
         if value is not None and not isinstance(value, (int, float)):
             raise NormplugError(f"{where}: bleu {pair}={value!r} is not a number (null: unknown)")
@@ -115,8 +107,7 @@ def load_paper_results(path: str = PAPER_RESULTS_PATH) -> dict:
     every reference checked (its metric, its configuration's attributes, its pairs)."""
     if not os.path.isfile(path):
         raise NormplugError(f"no such paper-results file: {path}")
-    with open(path, encoding="utf-8") as f:
-        return checked_paper_results(json.load(f), path)
+    return checked_paper_results(read_json_config(path), path)
 
 
 def checked_paper_results(paper: dict, where: str = "paper results") -> dict:
@@ -124,7 +115,7 @@ def checked_paper_results(paper: dict, where: str = "paper results") -> dict:
     :class:`Reference` objects (in place; checking it again changes nothing)."""
     for table, spec in paper.get("tables", {}).items():
         where_table = f"{where}: {table}"
-        _check_keys(spec, TABLE_KEYS, where_table)
+        check_keys(spec, TABLE_KEYS, where_table)
         spec["metric"] = _check_metric(spec.get("metric", DEFAULT_METRIC), f"{where_table}: cell metric",
                                        CELL_METRICS)
         spec["references"] = [_load_reference(table, spec, data, f"{where_table}: reference {index + 1}")
