@@ -104,18 +104,12 @@ def atomic_output_dir(path: str, replace: bool = False) -> Iterator[str]:
     tmp = _new_temporary_file(directory, "." + os.path.basename(target) + ".", ".tmp")
     os.remove(tmp)
     os.mkdir(tmp)
-    old = None
     try:
         yield tmp
-        if os.path.lexists(target):
-            old = _new_temporary_file(directory, "." + os.path.basename(target) + ".", ".tmp")
-            os.remove(old)
-            os.rename(target, old)
-        os.rename(tmp, target)
+        publish_directory(tmp, target)
     finally:
-        for leftover in (tmp, old):
-            if leftover and os.path.lexists(leftover):
-                shutil.rmtree(leftover, ignore_errors=True)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -138,14 +132,23 @@ def move_into_place(finished: str, path: str) -> None:
 
 
 def publish_directory(stage: str, destination: str) -> None:
-    """Rename the finished folder ``stage`` to ``destination``, replacing an older
-    ``destination`` (set aside as ``DESTINATION.old-<pid>``, then deleted): ``destination``
-    is never a half-filled folder."""
-    if os.path.exists(destination):
-        old = f"{destination}.old-{os.getpid()}"
-        os.rename(destination, old)
-        os.rename(stage, destination)
+    """Rename the finished folder ``stage`` to ``destination`` (same filesystem): readers see
+    no folder, the older one or the whole new one. An older ``destination`` is set aside under
+    a temporary name (:data:`TEMPORARY`: a killed writer's is deleted by the next write),
+    deleted once the new folder is in place, and put back if that rename fails."""
+    target = os.path.abspath(destination)
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    old = None
+    if os.path.lexists(target):
+        old = _new_temporary_file(directory, "." + os.path.basename(target) + ".", ".tmp")
+        os.remove(old)
+        os.rename(target, old)
+    try:
+        os.rename(stage, target)
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+        raise
+    if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.makedirs(os.path.dirname(destination) or ".", exist_ok=True)
-        os.rename(stage, destination)

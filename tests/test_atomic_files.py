@@ -159,3 +159,21 @@ def test_pid_running_tells_a_live_process_from_a_dead_one():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert pid_running(os.getpid()) and not pid_running(child.pid)
+
+
+def test_publish_directory_puts_the_older_folder_back_when_the_rename_fails(tmp_path, monkeypatch):
+    from fairseq_normplug import atomic_files
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.en").write_text("old")
+    real_rename = os.rename
+
+    def rename(source, target):
+        if source.endswith("missing-stage"):
+            raise OSError("disk gone")
+        return real_rename(source, target)
+
+    monkeypatch.setattr(atomic_files.os, "rename", rename)
+    with pytest.raises(OSError):
+        atomic_files.publish_directory(str(tmp_path / "missing-stage"), str(tmp_path / "corpus"))
+    assert os.listdir(tmp_path) == ["corpus"] and (tmp_path / "corpus" / "train.en").read_text() == "old"
