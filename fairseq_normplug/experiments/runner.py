@@ -12,53 +12,18 @@ A run lives in its own folder (``runs/<table>/<pair>/<row-slug>/``)::
     status.json          running | done | diverged | failed, with updates and minutes
     owner.lock           while a launcher owns the run (experiments/ownership.py)
 
-What the runner adds to every recipe (docs/fidelity.md):
+Training and scoring a run (docs/experiments.md gives the guarantees: one decoder for dev and
+test BLEU, checkpoint selection by dev BLEU, tokens per update on any device count, the
+divergence rule, resuming after a kill, one owner down to the trainer; docs/fidelity.md, the
+recipe details). Each job has its module, whose names this module re-exports:
 
-* **One decoder for dev and test.** The recipe's ``decoding`` spec (beam, GNMT alpha or
-  lenpen, the authors' search, max_len_a/b of the per-sentence length cap) becomes both
-  fairseq-train's dev-BLEU generator (``--eval-bleu-args``, ``--gnmt-alpha``,
-  ``--gnmt-search``) and fairseq-generate's flags; dev BLEU is tokenized BLEU
-  (``--eval-tokenized-bleu``), like the test score. Each sentence's length cap is its own
-  (the task's default), so dev BLEU during training (validation batches) and the test decoder
-  (other batches) give one checkpoint the same hypotheses.
-* **Checkpoint selection by dev BLEU.** fairseq updates ``checkpoint_best.pt`` only when it
-  saves, so ``--save-interval-updates`` is set to the effective ``--validate-interval-updates``
-  (its last occurrence, the user's ``--train-flags`` included) and ``--keep-interval-updates 1``
-  bounds the disk (the numbered interval file is deleted once training is done).
-* **Post-processing from the manifest.** ``--eval-bleu-remove-bpe`` and ``--remove-bpe`` are
-  the data folder's ``subword_method`` (manifest.json).
-* **Tokens per update.** A recipe's ``tokens_per_update`` is reached exactly on any number of
-  devices: the runner splits it evenly over the run's devices and sets ``--max-tokens`` per
-  device (at most the recipe's ``--max-tokens``) and ``--update-freq`` (:func:`plan_batching`);
-  a device count that cannot reach it is refused with one line before anything is trained.
-* **Devices and threads.** A run's ``devices`` (``CUDA_VISIBLE_DEVICES``), ``num_devices`` and
-  ``threads`` (``OMP_NUM_THREADS``) are set by its launcher (experiments/launchers.py); unset,
-  a run uses what its process sees, as fairseq-train does.
-
-Everything is resumable: a finished run is skipped, an interrupted one continues from
-``checkpoint_last.pt``, and a run that diverged is recorded as ``diverged`` (a result, as in the
-paper's Tables 2 and 5), not raised as an error: its loss or gradients became NaN/Inf, a dev loss
-was worse than a uniform guess over the target vocabulary (:func:`diverged_at`; training is
-stopped there), or no dev BLEU could be computed. Outputs
-are written to temporary names and renamed, so nothing half-written is ever trusted. A job
-killed at any moment (SIGKILL, a node lost) continues when the same command runs again:
-checkpoints it left half-copied are deleted and its interrupted save is finished first
-(:mod:`fairseq_normplug.checkpoint_safety`), a run whose training had ended is not trained
-an update further, and the resumed run trains on the uninterrupted run's batches
-(``--task translation_normplug``), so the table is the one an uninterrupted job writes.
-
-**One owner down to the trainer.** fairseq-train and fairseq-generate are started by
-:func:`run_process`: the run's lock records each one's pid while it runs
-(:func:`fairseq_normplug.experiments.ownership.record_process`), and while a launcher executes
-runs (:func:`stop_signals_forwarded`) SIGTERM, SIGINT and SIGHUP are forwarded to them; the
-launcher waits for them to end (SIGKILL after :data:`STOP_GRACE_S` seconds), releases its runs,
-and stops with :class:`LauncherStopped`. A stopped run is resumed by the next launcher, never
-trained beside a process of the stopped one.
-
-This module keeps the runner's names importable in one place; each concept lives in its own
-module: the run's records (``run_records``), its fairseq processes (``processes``), the
-batching (``batching``), its commands (``run_commands``), the run itself (``runs``), training
-(``training``) and scoring (``scoring``).
+* ``run_records``: status.json and scores.json, written atomically, read back only when valid;
+* ``run_commands``: the fairseq-train and fairseq-generate commands, ``--train-flags``;
+* ``batching``: ``--max-tokens`` x devices x ``--update-freq`` reaching ``tokens_per_update``;
+* ``runs``: :class:`Run`, one row on one pair and seed, in its folder;
+* ``processes``: the fairseq processes, stop signals forwarded to them;
+* ``training``: the training plan, fairseq-train, the divergence rule, why training stopped;
+* ``scoring``: the test set translated and scored.
 """
 import subprocess  # noqa: F401 (tests replace runner.subprocess.Popen)
 
