@@ -35,8 +35,11 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.ownership import RunOwnership, live_holder
 from fairseq_normplug.experiments.preflight import check_table
-from fairseq_normplug.experiments.runner import (LauncherStopped, Run, evaluate, read_scores, record_problem,
-                                                 stop_requested, stop_signals_forwarded, train)
+from fairseq_normplug.experiments.processes import LauncherStopped, stop_requested, stop_signals_forwarded
+from fairseq_normplug.experiments.run_records import read_scores, record_problem
+from fairseq_normplug.experiments.runs import Run
+from fairseq_normplug.experiments.scoring import evaluate
+from fairseq_normplug.experiments.training import train
 from fairseq_normplug.experiments.slurm_launcher import (  # noqa: F401 (launchers.SlurmLauncher, ...)
     PREFLIGHT_TIME_MIN, SUBMITIT_MISSING, RunJob, SlurmLauncher, descendants, import_submitit, parse_sbatch,
     stop_descendants,

@@ -40,7 +40,10 @@ import torch
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.tables import results_owner_problem
 from fairseq_normplug.experiments.training_log import json_records
-from fairseq_normplug.experiments.runner import Run, last_flag_value, plan_summary, subword_method, training_plan
+from fairseq_normplug.experiments.run_commands import subword_method
+from fairseq_normplug.experiments.runs import Run
+from fairseq_normplug.experiments.training import plan_summary, training_plan
+from fairseq_normplug.flag_lists import last_flag_value
 from fairseq_normplug.prepare.pipeline import SPLITS, mostly_empty_problem
 
 #: updates of each configuration's short training

@@ -28,10 +28,12 @@ from fairseq_normplug.experiments.configs import (
     load_table, under_recipe, with_added_rows,
 )
 from fairseq_normplug.extensions import command_line_items, load_extensions, split_items
-from fairseq_normplug.experiments.runner import (
-    Run, check_data_dir, command_batching, generate_command, last_flag_value, read_scores, plan_summary,
-    run_folder, train_flags, training_plan,
-)
+from fairseq_normplug.experiments.batching import command_batching
+from fairseq_normplug.experiments.run_commands import generate_command, train_flags
+from fairseq_normplug.experiments.run_records import read_scores
+from fairseq_normplug.experiments.runs import Run, check_data_dir, run_folder
+from fairseq_normplug.experiments.training import plan_summary, training_plan
+from fairseq_normplug.flag_lists import last_flag_value
 from fairseq_normplug.experiments.training_log import parse_training_log
 from fairseq_normplug.experiments.table_results import (  # noqa: F401 (reproduce.TableResults, ...)
     failed_runs, figure_folders, figure_logs, report_failures, result_rows, TableResults, with_errno_names,

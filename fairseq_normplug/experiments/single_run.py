@@ -18,8 +18,11 @@ import sys
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.configs import PROJECT_DIR, load_table
 from fairseq_normplug.experiments.ownership import owned
-from fairseq_normplug.experiments.runner import (LauncherStopped, Run, check_data_dir, evaluate, run_folder,
-                                                 stop_signals_forwarded, train, train_flags)
+from fairseq_normplug.experiments.processes import LauncherStopped, stop_signals_forwarded
+from fairseq_normplug.experiments.run_commands import train_flags
+from fairseq_normplug.experiments.runs import Run, check_data_dir, run_folder
+from fairseq_normplug.experiments.scoring import evaluate
+from fairseq_normplug.experiments.training import train
 
 
 def pair_of(data_dir: str) -> str:

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.ownership import zombie
 from fairseq_normplug.experiments.preflight import Echo, check_table
-from fairseq_normplug.experiments.runner import Run
+from fairseq_normplug.experiments.runs import Run
 
 SUBMITIT_MISSING = "--launcher slurm needs submitit, an optional dependency: pip install .[slurm]"
 #: time limit (minutes) of the preflight job of --launcher slurm

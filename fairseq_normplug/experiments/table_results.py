@@ -10,7 +10,9 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import bleu, figures, launchers, tables
 from fairseq_normplug.experiments.configs import PAIR_PATTERN, Table
 from fairseq_normplug.experiments.ownership import live_holder
-from fairseq_normplug.experiments.runner import Run, read_scores, test_hypotheses, test_references
+from fairseq_normplug.experiments.run_records import read_scores
+from fairseq_normplug.experiments.runs import Run
+from fairseq_normplug.experiments.scoring import test_hypotheses, test_references
 from fairseq_normplug.experiments.training_log import TrainingLog, parse_training_log
 
 
