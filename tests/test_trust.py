@@ -289,7 +289,7 @@ def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resume
     hook = root / "enospc-hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(ENOSPC_HOOK)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ["PYTHONPATH"]]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("NORMPLUG_TEST_ENOSPC_AT", "10")
     code, lines = main_of("trust", "full", "--rows", "PreNorm")
     assert code == 1
