@@ -38,6 +38,7 @@ from fairseq_normplug.modules.float32_params import HALF_DTYPES, Float32Params  
 from fairseq_normplug.modules.fused import upcast  # noqa: E402
 from fairseq_normplug.modules.identity_norm import IdentityNorm  # noqa: E402
 from fairseq_normplug.modules.auto_init import sum_over_ranks  # noqa: E402
+from fairseq_normplug.modules.mixins import mix_into  # noqa: E402  (a behaviour added to a module in place)
 from fairseq_normplug.models.placements.base import flag  # noqa: E402
 from fairseq_normplug.numeric_flags import number_flag  # noqa: E402  (a numeric flag: finite, in its range)
 # what a placement can declare about its layers, and PreNorm's declarations (a modifier's ``requires``)
@@ -51,5 +52,5 @@ load_startup_extensions()
 __all__ = ["NormplugError", "FormulaNorm", "register_norm", "Placement", "Modifier", "register_placement",
            "register_modifier", "new_norm", "ATTENTION", "FFN", "FINAL", "SUBLAYER_NORMS", "Float32Params",
            "HALF_DTYPES", "upcast", "IdentityNorm", "sum_over_ranks", "flag", "number_flag", "CAPABILITIES",
-           "PRENORM_LIKE"]
+           "PRENORM_LIKE", "mix_into"]
 __version__ = "0.1.0"

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fairseq_normplug.modules.auto_init import input_moments
+from fairseq_normplug.modules.mixins import mix_into
 
 RESIDUAL_SCALES = ("none", "rezero", "layerscale", "deepnorm", "admin")
 logger = logging.getLogger(__name__)
@@ -153,15 +154,6 @@ class ResidualScaledLayer:
         return super().forward(*args, **kwargs)
 
 
-_SCALED_CLASSES: Dict[type, type] = {}
-
-
-def _scaled_class(cls: type) -> type:
-    if cls not in _SCALED_CLASSES:
-        _SCALED_CLASSES[cls] = type(f"ResidualScaled{cls.__name__}", (ResidualScaledLayer, cls), {})
-    return _SCALED_CLASSES[cls]
-
-
 def install_residual_scale(model, kind: str) -> None:
     """Give every encoder/decoder layer of ``model`` a ``residual_scale`` of ``kind``."""
     if kind == "none":
@@ -179,7 +171,7 @@ def install_residual_scale(model, kind: str) -> None:
             if profile is not None:
                 layer.residual_scale.profile = profile
                 profile.pending.append(layer.residual_scale)
-            layer.__class__ = _scaled_class(type(layer))
+            mix_into(layer, ResidualScaledLayer, "ResidualScaled")
         if profile is not None:
             profiles.append(profile)
     if profiles:

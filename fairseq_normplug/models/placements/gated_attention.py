@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from fairseq_normplug.models.placements.base import Modifier, register_modifier
+from fairseq_normplug.modules.mixins import mix_into
 
 
 def gated(attention_output: Tensor, gate_logits: Tensor) -> Tensor:
@@ -63,15 +64,6 @@ class GatedAttentionMixin:
             self.out_proj.gate_logits = None
 
 
-_GATED_CLASSES = {}
-
-
-def _gated_class(cls: type) -> type:
-    if cls not in _GATED_CLASSES:
-        _GATED_CLASSES[cls] = type(f"Gated{cls.__name__}", (GatedAttentionMixin, cls), {})
-    return _GATED_CLASSES[cls]
-
-
 def install_gate(attention: nn.Module) -> None:
     """Give one fairseq ``MultiheadAttention`` its ``gate_proj`` and the gated ``out_proj``."""
     dim = attention.embed_dim
@@ -81,7 +73,7 @@ def install_gate(attention: nn.Module) -> None:
         nn.init.zeros_(attention.gate_proj.bias)
     attention.out_proj.gate_logits = None
     attention.out_proj.register_forward_pre_hook(gate_out_proj_input)
-    attention.__class__ = _gated_class(type(attention))
+    mix_into(attention, GatedAttentionMixin, "Gated")
     attention._set_skip_embed_dim_check()
 
 

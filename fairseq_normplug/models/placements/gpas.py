@@ -26,7 +26,7 @@ a gain for ``--norm-weight-decay`` (``models/norm_parameters.py`` rule 3); the a
 with weight decay 0 (``scripts/run_*.sh``). Their optional gate-gradient clipping
 (``--clip_gate_grad``, used at 1B/7B) is not built.
 """
-from typing import Callable, Dict
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from fairseq_normplug.modules.float32_params import Float32Params
 from fairseq_normplug.modules.fused import upcast
 
 from fairseq_normplug.models.placements.base import Modifier, register_modifier
+from fairseq_normplug.modules.mixins import mix_into
 
 #: the placements GPAS is defined on, as they are spelled on the command line
 GPAS_PLACEMENTS = "PreNorm (--prenorm), Sandwich (--norm-placement sandwich) and DeepNorm (--postnorm --residual-scale deepnorm)"
@@ -78,15 +79,6 @@ class GPASLayer:
         return self.gpas.connect(x, residual, super().residual_connection)
 
 
-_GPAS_CLASSES: Dict[type, type] = {}
-
-
-def _gpas_class(cls: type) -> type:
-    if cls not in _GPAS_CLASSES:
-        _GPAS_CLASSES[cls] = type(f"GPAS{cls.__name__}", (GPASLayer, cls), {})
-    return _GPAS_CLASSES[cls]
-
-
 @register_modifier("gpas")
 class GPAS(Modifier):
     @classmethod
@@ -121,7 +113,7 @@ class GPAS(Modifier):
         """Route every layer's residual connections through its gate (after ``--residual-scale``
         installed its own, which GPAS then wraps)."""
         for layer in (*model.encoder.layers, *model.decoder.layers):
-            layer.__class__ = _gpas_class(type(layer))
+            mix_into(layer, GPASLayer, "GPAS")
 
     def logged_modules(self, model):
         """Each layer's gate (``gate:enc0.gpas``; ``in_std``: the std of what it scales)."""

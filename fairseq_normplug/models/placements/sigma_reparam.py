@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from fairseq_normplug.modules.float32_params import HALF_DTYPES, Float32Params
 from fairseq_normplug.models.placements.base import Modifier, register_modifier
+from fairseq_normplug.modules.mixins import mix_into
 
 
 class SpectralScale(Float32Params):
@@ -115,15 +116,6 @@ class SigmaReparamLinearMixin:
             self._parameters["weight"] = weight
 
 
-_REPARAMETERIZED_CLASSES = {}
-
-
-def _reparameterized_class(cls: type) -> type:
-    if cls not in _REPARAMETERIZED_CLASSES:
-        _REPARAMETERIZED_CLASSES[cls] = type(f"SigmaReparam{cls.__name__}", (SigmaReparamLinearMixin, cls), {})
-    return _REPARAMETERIZED_CLASSES[cls]
-
-
 def update_spectral_estimates(stack: nn.Module, inputs) -> None:
     """Forward pre-hook of the encoder and the decoder: in training mode, one power-iteration step
     for every reparameterised linear of the stack (once per stack call, outside the layers'
@@ -137,7 +129,7 @@ def update_spectral_estimates(stack: nn.Module, inputs) -> None:
 def install_sigma_reparam(linear: nn.Linear) -> None:
     """Reparameterise one linear: W_hat = gamma / sigma(W) W from W's current value (W_hat = W)."""
     linear.sigma_reparam = SpectralScale(linear.weight)
-    linear.__class__ = _reparameterized_class(type(linear))
+    mix_into(linear, SigmaReparamLinearMixin, "SigmaReparam")
 
 
 def reparameterized_linears(model: nn.Module):

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from fairseq_normplug.models.placements.base import Modifier, register_modifier
 from fairseq_normplug.numeric_flags import number_flag
+from fairseq_normplug.modules.mixins import mix_into
 
 #: the authors' lambda_1, lambda_2 (modeling_llama_resformer.py:381)
 DEFAULT_LAMBDAS = (0.5, 0.5)
@@ -94,15 +95,6 @@ class ValueResidualLayerMixin:
         return torch.cat([out, first.to(out.dtype)], dim=-1)
 
 
-_VALUE_RESIDUAL_CLASSES = {}
-
-
-def _value_residual_class(cls: type) -> type:
-    if cls not in _VALUE_RESIDUAL_CLASSES:
-        _VALUE_RESIDUAL_CLASSES[cls] = type(f"ValueResidual{cls.__name__}", (ValueResidualLayerMixin, cls), {})
-    return _VALUE_RESIDUAL_CLASSES[cls]
-
-
 def install_value_residual(layer: nn.Module, index: int, num_layers: int, lambdas) -> None:
     """Make layer ``index`` of a stack of ``num_layers`` take part in the value residual."""
     attention = layer.self_attn
@@ -113,7 +105,7 @@ def install_value_residual(layer: nn.Module, index: int, num_layers: int, lambda
     v_proj.register_forward_hook(mix_values)
     attention._set_skip_embed_dim_check()
     layer.value_residual_last_layer = index == num_layers - 1
-    layer.__class__ = _value_residual_class(type(layer))
+    mix_into(layer, ValueResidualLayerMixin, "ValueResidual")
 
 
 @register_modifier("value-residual")
