@@ -105,6 +105,19 @@ def assert_incremental_matches_full(model, task):
     assert_incremental_equals_full(model, task, tolerance=1e-4)
 
 
+def assert_bf16_close_to_float32(model, task):
+    """The model cast to bfloat16 (randomised parameters, eval) gives a finite bfloat16 output
+    within 5% of the float32 output's scale; returns the bfloat16 model."""
+    randomized(model).eval()
+    src, lengths, prev = toy_batch(task)
+    with torch.no_grad():
+        full = model(src, lengths, prev)[0]
+        half = model.to(torch.bfloat16)(src, lengths, prev)[0]
+    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
+    assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
+    return model
+
+
 def one_backward(model, task, seed=0):
     """Gradients of one training forward/backward on the toy batch (dropout on, seeded):
     {parameter name: its gradient, None where none reached it}."""

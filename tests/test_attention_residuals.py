@@ -15,8 +15,9 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.models.placements.attention_residuals import KEY_NORM_EPS, DepthAttention
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import (assert_incremental_equals_full, assert_training_steps_reach_every_parameter, build,
-                           incremental_and_full, norm_type_flags, one_backward, randomized, toy_batch)
+from model_helpers import (assert_bf16_close_to_float32, assert_incremental_equals_full,
+                           assert_training_steps_reach_every_parameter, build, norm_type_flags, one_backward,
+                           randomized, toy_batch)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 from test_sigma_reparam import train_and_generate
 
@@ -316,13 +317,7 @@ def test_checkpoint_activations_give_the_same_gradients(tiny_bin, variant):
 @pytest.mark.parametrize("variant", ["full", "block2"])
 def test_bf16_model_is_finite_and_close_to_float32(tiny_bin, variant):
     model, task, _ = build(tiny_bin, TINY, *ATTNRES, *VARIANTS[variant], *FOUR_LAYERS)
-    randomized(model).eval()
-    src, lengths, prev = toy_batch(task)
-    with torch.no_grad():
-        full = model(src, lengths, prev)[0]
-        half = model.to(torch.bfloat16)(src, lengths, prev)[0]
-    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
-    assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
+    assert_bf16_close_to_float32(model, task)
 
 
 @pytest.mark.parametrize("norm_type", list(NORM_TYPES))

@@ -12,7 +12,8 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.gated_attention import gate_out_proj_input
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import build, incremental_and_full, norm_type_flags, one_backward, randomized, toy_batch
+from model_helpers import (assert_bf16_close_to_float32, build, incremental_and_full, norm_type_flags, one_backward,
+                           randomized)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
 TINY = "transformer_normplug_tiny"
@@ -179,10 +180,4 @@ def test_the_design_file_imports_only_the_public_interface():
 
 def test_bf16_model_is_finite_and_close_to_float32(tiny_bin):
     model, task, _ = build(tiny_bin, TINY, "--gated-attention")
-    randomized(model).eval()
-    src, lengths, prev = toy_batch(task)
-    with torch.no_grad():
-        full = model(src, lengths, prev)[0]
-        half = model.to(torch.bfloat16)(src, lengths, prev)[0]
-    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
-    assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
+    assert_bf16_close_to_float32(model, task)

@@ -15,8 +15,8 @@ from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.sigma_reparam import (SpectralScale, install_sigma_reparam,
                                                              update_spectral_estimates)
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
-from model_helpers import (assert_training_steps_reach_every_parameter, build, incremental_and_full, norm_type_flags,
-                           one_backward, randomized, toy_batch)
+from model_helpers import (assert_bf16_close_to_float32, assert_training_steps_reach_every_parameter, build,
+                           incremental_and_full, norm_type_flags, one_backward, randomized, toy_batch)
 from test_placement_registry import test_the_2024_2026_designs_import_only_the_public_interface
 
 TINY = "transformer_normplug_tiny"
@@ -305,19 +305,12 @@ def test_the_design_file_imports_only_the_public_interface():
 
 def test_bf16_model_keeps_float32_scales_and_is_close_to_float32(tiny_bin):
     model, task, _ = build(tiny_bin, TINY, "--sigma-reparam")
-    randomized(model).eval()
-    src, lengths, prev = toy_batch(task)
-    with torch.no_grad():
-        full = model(src, lengths, prev)[0]
-        half = model.to(torch.bfloat16)(src, lengths, prev)[0]
-    assert half.dtype == torch.bfloat16 and torch.isfinite(half).all()
-    assert (half.float() - full).abs().max().item() < 0.05 * max(1.0, full.abs().max().item())
+    assert_bf16_close_to_float32(model, task)
     for linear in reparameterized(model).values():
         scale = linear.sigma_reparam
         assert linear.weight.dtype == torch.bfloat16
         assert scale.gamma.dtype == scale.u.dtype == scale.v.dtype == torch.float32
-    model.train()
-    model(src, lengths, prev)[0].float().pow(2).mean().backward()  # a bf16 training step runs
+    one_backward(model, task)  # a bf16 training step runs
     assert all(torch.isfinite(linear.sigma_reparam.gamma.grad) for linear in reparameterized(model).values())
 
 
