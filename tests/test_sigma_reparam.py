@@ -170,6 +170,31 @@ def test_an_untied_output_projection_is_reparameterised(tiny_bin):
     assert (steps - full).abs().max().item() < 1e-5 * max(1.0, full.abs().max().item())
 
 
+def test_decoding_computes_each_reparameterised_weight_once_until_the_weights_change(tiny_bin, monkeypatch):
+    """Eval without gradients (every decoding step calls every linear): sigma is computed once per
+    linear and W_hat kept; an in-place change of W (an optimizer step, load_state_dict) or gamma is
+    seen at once, and the outputs equal those computed afresh."""
+    model, task, _ = build(tiny_bin, TINY, "--sigma-reparam")
+    randomized(model, seed=2).eval()
+    src, lengths, prev = toy_batch(task)
+    calls = []
+    original = SpectralScale.forward
+    monkeypatch.setattr(SpectralScale, "forward", lambda self, weight: calls.append(self) or original(self, weight))
+    with torch.no_grad():
+        first = model(src, lengths, prev)[0]
+        assert len(calls) == len(reparameterized(model))
+        steps, full = incremental_and_full(model, task)  # eval, no gradients: all cached
+        assert len(calls) == len(reparameterized(model)) and (steps - full).abs().max() < 1e-5
+        fc1 = model.decoder.layers[1].fc1
+        fc1.weight.mul_(1.5)
+        fc1.sigma_reparam.gamma.mul_(0.5)
+        changed = model(src, lengths, prev)[0]
+    assert len(calls) == len(reparameterized(model)) + 1
+    with torch.enable_grad():  # computed afresh, no cache
+        fresh = model(src, lengths, prev)[0]
+    assert torch.allclose(changed, fresh, atol=1e-6) and not torch.allclose(changed, first, atol=1e-4)
+
+
 def test_power_iteration_runs_once_per_training_forward_and_never_in_eval(tiny_bin):
     model, task, _ = build(tiny_bin, TINY, "--sigma-reparam")
     randomized(model, seed=2)

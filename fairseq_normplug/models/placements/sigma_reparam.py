@@ -104,12 +104,25 @@ class SpectralScale(Float32Params):
 
 
 class SigmaReparamLinearMixin:
-    """Put in front of a linear's class: its forward sees W_hat = gamma / sigma(W) W as ``weight``."""
+    """Put in front of a linear's class: its forward sees W_hat = gamma / sigma(W) W as ``weight``.
+    Without gradients in eval mode (decoding: every step calls every linear) W_hat is computed
+    once and kept until W, gamma or u change (their in-place versions, their storage, the dtype)."""
+
+    def reparameterized_weight(self, weight: Tensor) -> Tensor:
+        scale = self.sigma_reparam
+        if self.training or torch.is_grad_enabled():
+            self.__dict__.pop("_sigma_reparam_cache", None)
+            return (scale.computed(weight) * scale(weight)).to(weight.dtype)
+        key = tuple((t._version, t.data_ptr(), t.dtype) for t in (weight, scale.gamma, scale.u))
+        cached = self.__dict__.get("_sigma_reparam_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, (scale.computed(weight) * scale(weight)).to(weight.dtype))
+            self.__dict__["_sigma_reparam_cache"] = cached
+        return cached[1]
 
     def forward(self, *args, **kwargs):
         weight = self._parameters["weight"]
-        scale = self.sigma_reparam(weight)
-        self._parameters["weight"] = (self.sigma_reparam.computed(weight) * scale).to(weight.dtype)
+        self._parameters["weight"] = self.reparameterized_weight(weight)
         try:
             return super().forward(*args, **kwargs)
         finally:
