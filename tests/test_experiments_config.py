@@ -84,7 +84,7 @@ def test_config_errors_name_the_problem(config_copy, change, message):
 
 
 def test_unknown_table_and_recipe_key(config_copy):
-    with pytest.raises(NormplugError, match="unknown table .table9.; choose from beyond, cpu, demo, table2"):
+    with pytest.raises(NormplugError, match="unknown table .table9.; choose from beyond, cpu, demo, depth, table2"):
         load_table("table9", str(config_copy))
     recipes = json.loads((config_copy / "recipes.json").read_text())
     recipes["ted"]["generte"] = []

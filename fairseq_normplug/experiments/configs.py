@@ -29,11 +29,12 @@ from typing import Dict, List, Optional, Sequence, Union
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.flag_lists import split_flags
 from fairseq_normplug.resources import CONFIG_DIR, PROJECT_DIR
+from fairseq_normplug.experiments.depths import check_depths, expand_rows
 from fairseq_normplug.experiments.json_config import check_keys, read_json_config
 
 EXPERIMENT_DIR = os.path.join(CONFIG_DIR, "experiments")
 
-TABLE_KEYS = {"title", "recipe", "pairs", "rows", "normplug_modules"}
+TABLE_KEYS = {"title", "recipe", "pairs", "rows", "normplug_modules", "depths", "recipe_layers", "reuse_runs_from"}
 ROW_KEYS = {"name", "model", "schedule", "baseline", "train", "paper", "normplug_modules"}
 RECIPE_KEYS = {"description", "base", "pairs", "arch", "train", "unset", "decoding", "generate",
                "tokens_per_update", "warmup_scale", "lr_lambda_scale", "lr_scale"}
@@ -88,6 +89,10 @@ class Row:
     baseline: Optional[str] = None
     train: List[str] = field(default_factory=list)
     paper: Optional[str] = None
+    #: in a table trained at several depths (experiments/depths.py): the row of the file it
+    #: expands, and its layers per stack
+    design: Optional[str] = None
+    layers: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,10 @@ class Table:
     rows: List[Row]
     schedules: Dict[str, Schedule]
     recipes: Dict[str, Recipe] = field(default_factory=dict)
+    #: the layers per stack each row is trained at (experiments/depths.py); empty: the recipe's
+    depths: List[int] = field(default_factory=list)
+    #: the runs folder of a table whose finished runs of the same rows and commands are reused
+    reuse_runs_from: Optional[str] = None
 
     def recipe_for(self, pair: str) -> Recipe:
         """The table's recipe, or the recipe that replaces it for ``pair`` (e.g. en-vi rows of a
@@ -337,8 +346,17 @@ def load_table(name: str, config_dir: str = CONFIG_DIR) -> Table:
         raise NormplugError(f"{path}: 'pairs' must list language pairs like 'gl-en', got {pairs!r}")
     for pair in pairs:
         check_pair(pair, f"{path}: 'pairs'")
+    depths = []
+    if "depths" in data or "recipe_layers" in data:
+        depths = check_depths(data.get("depths"), data.get("recipe_layers"), path)
+        rows = expand_rows(rows, depths, data["recipe_layers"])
+    reuse = data.get("reuse_runs_from")
+    if reuse is not None and (not isinstance(reuse, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", reuse)):
+        raise NormplugError(f"{path}: 'reuse_runs_from' must name a table's runs folder, e.g. \"beyond.cpu_short\", "
+                            f"got {reuse!r}")
     return Table(name=name, title=data.get("title", name), recipe=recipes[data["recipe"]],
-                 pairs=list(pairs), rows=rows, schedules=schedules, recipes=recipes)
+                 pairs=list(pairs), rows=rows, schedules=schedules, recipes=recipes, depths=depths,
+                 reuse_runs_from=reuse)
 
 
 def under_recipe(table: Table, recipe: str) -> Table:

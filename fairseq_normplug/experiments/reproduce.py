@@ -29,6 +29,7 @@ from fairseq_normplug.experiments.configs import (
 )
 from fairseq_normplug.extensions import command_line_items, load_extensions, split_items
 from fairseq_normplug.experiments.batching import command_batching
+from fairseq_normplug.experiments.depths import adopt_kept_runs, rows_at_depths
 from fairseq_normplug.experiments.run_commands import generate_command, train_flags
 from fairseq_normplug.experiments.run_records import read_scores
 from fairseq_normplug.experiments.runs import Run, check_data_dir, run_folder
@@ -113,6 +114,7 @@ def run_table(table: Table, pairs: List[str], data_dirs: Dict[str, str], runs_di
     problem = tables.results_owner_problem(results_dir, table.name)
     if problem:
         raise NormplugError(f"{problem}; nothing was run")
+    adopt_kept_runs(runs, runs_dir, echo)
     echo(f"[reproduce] {table.title}: {len(runs)} runs ({run_shape(runs, pairs, pair_seeds(seeds))})")
     launcher.execute(runs, extra_train, echo)
     results = write_table(table, runs, results_dir, echo, metric=metric)
@@ -279,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", action="append", default=[], metavar="PAIR=DIR",
                         help="prepared data folder of a pair (default: configs/data.json)")
     parser.add_argument("--rows", nargs="+", default=[], metavar="NAME", help="only these rows")
+    parser.add_argument("--depths", nargs="+", type=int, default=[], metavar="N",
+                        help="a table trained at several depths (depth): only its rows at these layers per "
+                             "stack (of --rows' designs when given)")
     parser.add_argument("--seeds", nargs="+", default=["1"], metavar="N|PAIR=N,N",
                         help="train every cell with each seed, each in its own run folder (default: 1); "
                              "PAIR=N,N,... gives one pair other seeds (--seeds 1 2 3 az-en=1,2: de-en seeds "
@@ -368,6 +373,8 @@ def main(argv=None):
             raise NormplugError("--add-row-schedule needs --add-row")
         if args.add_row:
             table = with_added_rows(table, args.add_row, split_items(args.normplug_modules), args.add_row_schedule)
+        if args.depths:
+            args.rows = rows_at_depths(table, args.depths, args.rows)
         # the rows' own norms and placements (--add-row, "normplug_modules" in the table): a missing
         # or broken extension fails here, before any work; --preflight then parses their flags
         load_extensions([item for row in table.rows for item in command_line_items(row.model)])
@@ -396,6 +403,7 @@ def main(argv=None):
             elif args.status:
                 print_status(runs)
             else:
+                adopt_kept_runs(runs, runs_dir)
                 write_table(table, runs, results_dir, collecting=True, metric=args.metric)
                 failed = failed_runs(runs)
                 if len(failed) == len(runs):  # no result at all: why, run by run

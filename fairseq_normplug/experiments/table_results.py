@@ -7,6 +7,7 @@ import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.depth_figures import write_depth_outputs
 from fairseq_normplug.experiments import bleu, figures, launchers, tables
 from fairseq_normplug.experiments.configs import PAIR_PATTERN, Table
 from fairseq_normplug.experiments.ownership import live_holder
@@ -243,6 +244,8 @@ def write_table(table: Table, runs: List[Run], results_dir: str, echo: Callable[
             unread = f"; left out as unreadable: {', '.join(left_out)}" if left_out else ""
             echo(f"[reproduce] figure {name}: {outcome}{unread if outcome.startswith('skipped') else ''}")
             drawn.append(outcome)
+    if table.depths:  # a table trained at several depths: depth.md and its figures
+        drawn += write_depth_outputs(table, runs, results, results_dir, tables.cell_metric(paper, table.name), echo)
     # a figure of an earlier write (other pairs, rows or logs) never sits beside this table
     pair_folders = [os.path.join(results_dir, name) for name in sorted(os.listdir(results_dir))
                     if PAIR_PATTERN.fullmatch(name) and os.path.isdir(os.path.join(results_dir, name))]
