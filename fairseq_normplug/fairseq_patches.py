@@ -7,7 +7,8 @@ release the plugin installs (:mod:`fairseq_normplug.install_plan`: ``fairseq==0.
 when the installed fairseq's source differs, so an upgrade cannot silently change what a
 wrapper relies on. :func:`install` (at plugin import, idempotent) applies them; each is a
 pass-through unless the plugin asked for its effect (the third: unless loading fails); :func:`uninstall` restores fairseq's
-functions. No fairseq file or class is modified.
+functions. No fairseq file or class is modified. Why each is a wrapper and not a fairseq hook:
+docs/beyond.md (1, "How it works"), docs/lr_schedulers.md (2), docs/usage.md (3, checkpoints).
 
 1. ``fairseq.optim._build_optimizer`` (the optimizer registry's builder): per-parameter
    param groups. A parameter given options with :func:`set_param_group` (e.g.
@@ -15,22 +16,7 @@ functions. No fairseq file or class is modified.
    group with those options; the untagged parameters form the first group, with the
    optimizer's own settings, as in stock fairseq. With no tagged parameter it passes the list
    through unchanged, and the optimizer class is the stock one (the same name in checkpoints).
-
-   Why not a fairseq hook. ``Trainer._build_optimizer`` hands the optimizer one flat list,
-   ``chain(model.parameters(), criterion.parameters())``; no model, task or criterion hook
-   sits in between, and ``fairseq.optim.build_optimizer`` flattens param-group dicts.
-   fairseq's own per-parameter route, ``p.param_group`` with ``--optimizer composite`` (as
-   data2vec's ``no_decay`` group), builds one optimizer *and one lr scheduler* per group from
-   a Hydra config that fairseq-train's flags cannot express, and its
-   ``CompositeLRScheduler.step`` drops the validation loss ``val_decay`` decides on. A
-   registered optimizer would mean one subclass per optimizer (nine) and a different
-   ``--optimizer`` name for the user; the lr scheduler (built right after the optimizer) and
-   the task are the user's choice too, and the task's hooks run only after a resumed
-   optimizer state has been loaded into the groups. ``_build_optimizer`` is the one function
-   the fp32, ``FP16Optimizer`` (its non-flat fp32 master copies inherit ``optim_overrides``),
-   ``MemoryEfficientFP16Optimizer`` and ``AMPOptimizer`` paths all reach, through
-   ``fairseq.optim.build_optimizer``'s module-global lookup, after frozen tensors are dropped.
-   (``--optimizer composite`` imported the original by name and is not affected.)
+   ``--optimizer composite`` imports the original by name and is not affected.
 
 2. ``fairseq_cli.train.should_stop_early`` (also the one of ``__main__`` under ``python -m
    fairseq_cli.train``): every validation reaches the listener registered with
@@ -39,17 +25,8 @@ functions. No fairseq file or class is modified.
    ``valid_losses[0]`` (the ``--best-checkpoint-metric`` value when that update was followed
    by a validation, mid-epoch or not, else None), before the checkpoint of that update is
    saved, and ORs its answer into ``should_stop``. The wrapper calls fairseq's function first
-   (``--patience`` works as before; its ``best``/``num_runs`` counters live on the wrapper,
-   the name fairseq's function looks itself up by), then the listener.
-
-   Why not a fairseq hook. An lr scheduler gets a validation result only at epoch ends
-   (``lr_step(epoch, valid_loss)``), and only when the epoch's last update was validated;
-   ``--stop-min-lr`` is checked only at epoch starts. The papers validate every N updates
-   and stop as soon as the lr is below 5e-5; with ``--validate-interval-updates`` the
-   mid-epoch results reach nothing but ``should_stop_early`` and ``save_checkpoint``. No
-   task hook sees the aggregated validation metric, and wrapping ``validate_and_save``
-   (which gets the trainer) would run after the checkpoint is saved, so a resumed run would
-   miss the scheduler's last validation and a stop would not be saved.
+   (``--patience`` works as in stock fairseq; its ``best``/``num_runs`` counters live on the
+   wrapper, the name fairseq's function looks itself up by), then the listener.
 
 3. ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` (reached from
    ``load_model_ensemble_and_task``: fairseq-generate, fairseq-interactive, the hub's
@@ -60,11 +37,6 @@ functions. No fairseq file or class is modified.
    torch's 24-line traceback that ends advising to switch safe loading off. Only an error raised
    inside ``torch.load`` is replaced; everything else passes through unchanged. Safe loading
    itself is not touched.
-
-   Why not a fairseq hook. fairseq reads the file with ``torch.load`` before any task, model or
-   plugin code runs for it (the model class is only known from the loaded state), and there is
-   no loader registry. An exception hook alone sees the error too late: it cannot name the
-   file, and the hub's callers get the exception itself.
 """
 import functools
 import hashlib

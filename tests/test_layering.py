@@ -13,8 +13,9 @@ LAYERS = (
     # fairseq's argument parsing, the plugin's paths, the toy corpus
     {"errors", "install_plan", "atomic_files", "cli", "fairseq_parsing", "resources"},
     # the one check of every numeric flag (finite, in its declared range); the toy corpus (written
-    # through atomic_files); the one reader of command-line flag lists (argparse's rules)
-    {"numeric_flags", "synthetic_corpus", "flag_lists"},
+    # through atomic_files); the one reader of command-line flag lists (argparse's rules); the one
+    # builder of fairseq command lines (program, data, --user-dir)
+    {"numeric_flags", "synthetic_corpus", "flag_lists", "fairseq_commands"},
     {"checkpoint_compat"},        # checkpoint loading: safe, a refusal one line (a NormplugError)
     {"fairseq_patches"},          # the three fairseq wrappers (one passes checkpoint_compat's refusals on)
     {"extensions", "hub"},        # loading a researcher's own norms and placements; hub files beside checkpoints

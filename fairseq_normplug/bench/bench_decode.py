@@ -36,7 +36,7 @@ from fairseq_normplug.bench.common import (
     DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
     median, publish,
 )
-from fairseq_normplug.cli import user_dir
+from fairseq_normplug.fairseq_commands import fairseq_arguments
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
 
 VARIANTS = ("no-fixnorm", "fixnorm", "fixnorm-uncached")
@@ -53,9 +53,9 @@ def write_dictionary(workdir: str, vocab: int) -> None:
 
 def build_model(workdir: str, arch: str, flags: List[str], fixnorm: bool, seed: int = 1):
     """(model in eval mode, task), built as fairseq-train builds them."""
-    argv = [workdir, "--user-dir", user_dir(), "--task", "translation", "--source-lang", "src",
-            "--target-lang", "tgt", "--arch", arch, "--cpu", *flags,
-            "--share-decoder-input-output-embed", *(["--fixnorm"] if fixnorm else [])]
+    argv = fairseq_arguments(workdir, "--task", "translation", "--source-lang", "src",
+                             "--target-lang", "tgt", "--arch", arch, "--cpu", *flags,
+                             "--share-decoder-input-output-embed", *(["--fixnorm"] if fixnorm else []))
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     utils.import_user_module(args)
     task = tasks.setup_task(args)

@@ -21,7 +21,6 @@ divide by stock's figure of the same repetition, then take the median over repet
 import argparse
 import os
 import subprocess
-import sys
 import time
 from typing import Dict, List
 
@@ -31,8 +30,8 @@ from fairseq_normplug.bench.common import (
     DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
     median, publish, steady_allocator_env,
 )
-from fairseq_normplug.cli import user_dir
 from fairseq_normplug.experiments.training_log import json_record
+from fairseq_normplug.fairseq_commands import fairseq_command, program_path, USER_DIR_FLAGS
 
 SIZE_FLAGS = [
     "--encoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024",
@@ -41,7 +40,7 @@ SIZE_FLAGS = [
     "--decoder-attention-heads", "4", "--decoder-layers", "3",
     "--share-decoder-input-output-embed",
 ]
-PLUGIN = ["--arch", "transformer_normplug_cpu", "--user-dir", user_dir()]
+PLUGIN = ["--arch", "transformer_normplug_cpu", *USER_DIR_FLAGS]
 VARIANTS = {
     "stock": ["--arch", "transformer", *SIZE_FLAGS],
     "off": PLUGIN,
@@ -87,10 +86,6 @@ DEFAULT_VARIANTS = "stock,off,scalenorm,rmsnorm,dyt"
 BEYOND = ",".join(["stock", "stock-prenorm", "off", "prenorm", *BEYOND_VARIANTS])
 
 
-def _bin(name: str) -> str:
-    return os.path.join(os.path.dirname(sys.executable), name)
-
-
 def prepare_data(workdir: str, pairs: int) -> str:
     """Synthetic corpus of ``pairs`` training pairs, binarized with a joined dictionary
     (kept in ``workdir`` and reused by later runs)."""
@@ -101,7 +96,7 @@ def prepare_data(workdir: str, pairs: int) -> str:
         return dest
     raw = write_corpus(os.path.join(workdir, f"raw-{pairs}"), train=pairs, valid=100, test=100)
     subprocess.run([
-        _bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+        program_path("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
         "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref",
         f"{raw}/test", "--destdir", dest, "--joined-dictionary", "--workers", "1",
     ], check=True, capture_output=True)
@@ -109,9 +104,11 @@ def prepare_data(workdir: str, pairs: int) -> str:
 
 
 def train_command(data: str, variant: str, args) -> List[str]:
+    """The fairseq-train command of ``variant``: the benchmark's training flags, then the
+    variant's (stock fairseq without the plugin; a plugin variant names ``--user-dir``)."""
     device = ["--cpu"] if args.device == "cpu" else []
-    return [
-        _bin("fairseq-train"), data, *device,
+    return fairseq_command(
+        "fairseq-train", data, *device,
         "--task", "translation", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
         "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
@@ -119,7 +116,7 @@ def train_command(data: str, variant: str, args) -> List[str]:
         "--max-update", str(args.max_update), "--log-format", "json", "--log-interval",
         str(args.log_interval), "--disable-validation", "--no-save", "--num-workers", "0",
         *VARIANTS[variant],  # last: a variant's --task replaces the benchmark's
-    ]
+        plugin=False)
 
 
 def run_once(cmd: List[str], skip_updates: int, threads: int = 0) -> Dict:

@@ -10,10 +10,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fairseq_normplug.bench.bench_train import _bin
 from fairseq_normplug.bench.check_report import Deadline, Report
-from fairseq_normplug.cli import user_dir
 from fairseq_normplug.experiments.training_log import json_records
+from fairseq_normplug.fairseq_commands import fairseq_command
 
 
 #: the paper's main rows (Nguyen & Salazar Table 1-2) and the DyT row; FIXNORM_ROW is decoded
@@ -34,8 +33,8 @@ def train_command(data: str, row: str, precision: str, cfg: Dict, device: torch.
     if "--fixnorm" in flags:
         flags.append("--share-all-embeddings")
     save = ["--save-dir", save_dir, "--no-epoch-checkpoints"] if save_dir else ["--no-save"]
-    return [
-        _bin("fairseq-train"), data, "--user-dir", user_dir(), "--arch", cfg["arch"], *flags,
+    return fairseq_command(
+        "fairseq-train", data, "--arch", cfg["arch"], *flags,
         *PRECISION_FLAGS[precision], *(["--cpu"] if device.type == "cpu" else []),
         "--task", "translation", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
         "--lr", str(cfg["lr"]), "--lr-scheduler", "inverse_sqrt", "--warmup-updates",
@@ -43,8 +42,7 @@ def train_command(data: str, row: str, precision: str, cfg: Dict, device: torch.
         "--label-smoothing", "0.1", "--clip-norm", "1.0", "--max-tokens", str(cfg["max_tokens"]),
         "--seed", "1", "--max-update", str(cfg["updates"]), "--log-format", "json",
         "--log-interval", str(cfg["log_interval"]), "--disable-validation", "--num-workers", "0",
-        "--required-batch-size-multiple", "1", *save,
-    ]
+        "--required-batch-size-multiple", "1", *save)
 
 
 def judge_training(log: str, returncode: int, updates: int) -> Dict:
@@ -148,10 +146,10 @@ def run_generate(report: Report, data: str, checkpoint: str, precision: str,
         report.add("generate", name, "fail", detail=f"no checkpoint: {FIXNORM_ROW} training "
                                                     f"did not save {checkpoint}")
         return
-    cmd = [_bin("fairseq-generate"), data, "--user-dir", user_dir(), "--path", checkpoint,
-           *PRECISION_FLAGS[precision], *(["--cpu"] if device.type == "cpu" else []),
-           "--beam", "4", "--gen-subset", "test", "--max-tokens", "8000",
-           "--required-batch-size-multiple", "1"]
+    cmd = fairseq_command("fairseq-generate", data, "--path", checkpoint,
+                          *PRECISION_FLAGS[precision], *(["--cpu"] if device.type == "cpu" else []),
+                          "--beam", "4", "--gen-subset", "test", "--max-tokens", "8000",
+                          "--required-batch-size-multiple", "1")
     start = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, deadline.left()),

@@ -8,7 +8,7 @@ processes get its environment
 run in a SLURM job run exactly the same code.
 
 * :class:`LocalLauncher` (``--launcher local``, the default): this machine. ``--jobs 1`` runs
-  the runs one after another, as before. ``--jobs N`` runs N at once (one thread each, driving
+  the runs one after another. ``--jobs N`` runs N at once (one thread each, driving
   the run's fairseq processes), each with its own slot of ``--devices-per-run K`` GPUs
   (``CUDA_VISIBLE_DEVICES``, :func:`device_slots`) and ``--cpus-per-run`` threads (default:
   the cores divided by N, so that N runs never oversubscribe the CPU). Their console lines,

@@ -28,6 +28,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from fairseq_normplug.fairseq_commands import BIN_DIR
 from fairseq_normplug.flag_lists import last_flag_value
 from fairseq_normplug.resources import PACKAGE_DIR, PROJECT_DIR
 
@@ -35,7 +36,6 @@ from fairseq_normplug.resources import PACKAGE_DIR, PROJECT_DIR
 PLACEHOLDERS = ("RUN", "RUNS", "DATA", "PLUGIN", "CHECKOUT", "VENV", "HOME")
 #: the programs' folder: a program there is recorded by its bare name
 BIN = "BIN"
-BIN_DIR = os.path.dirname(sys.executable)
 
 
 def default_roots() -> Dict[str, str]:

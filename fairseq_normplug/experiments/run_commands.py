@@ -4,7 +4,6 @@ refusals of ``--train-flags`` the runner cannot honour."""
 import glob
 import json
 import os
-import sys
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 from fairseq_normplug.errors import NormplugError
@@ -12,6 +11,7 @@ from fairseq_normplug.experiments import portable_paths
 from fairseq_normplug.experiments.batching import batching_flags, world_size
 from fairseq_normplug.experiments.configs import Recipe, Schedule
 from fairseq_normplug.experiments.run_records import read_json
+from fairseq_normplug.fairseq_commands import BIN_DIR, fairseq_command, USER_DIR  # noqa: F401
 from fairseq_normplug.flag_lists import command_flags, last_flag_value, split_flags
 from fairseq_normplug.prepare.bpe import METHODS as SUBWORD_METHODS
 
@@ -19,8 +19,6 @@ if TYPE_CHECKING:
     from fairseq_normplug.experiments.runs import Run
 
 
-USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN_DIR = os.path.dirname(sys.executable)
 #: fairseq's main branch drops the last batch unless it is a multiple of this (README)
 ALL_BATCHES = ["--required-batch-size-multiple", "1"]
 TASK = ["--task", "translation_normplug"]
@@ -199,12 +197,13 @@ def train_command(run: "Run", extra: List[str] = ()) -> List[str]:
     recipe = run.recipe
     schedule = run.table.schedules[run.row.schedule]
     flags = [*recipe.train, *scaled_schedule_flags(schedule, recipe), *run.row.model, *run.row.train]
-    command = [os.path.join(BIN_DIR, "fairseq-train"), os.path.join(run.data_dir, "bin"),
-               "--user-dir", USER_DIR, *TASK, "--source-lang", run.src, "--target-lang", run.tgt,
-               "--arch", recipe.arch, *flags, *dev_bleu_flags(recipe.decoding, subword_method(run.data_dir, run.assumed_subword)),
-               "--save-dir", run.path("checkpoints"), "--no-epoch-checkpoints", "--seed", str(run.seed),
-               "--log-format", "json", "--num-workers", "0", *ALL_BATCHES, *run.device_flags(),
-               *batching_flags(recipe, flags, world_size(flags + list(extra), run.num_devices)), *extra]
+    command = fairseq_command(
+        "fairseq-train", os.path.join(run.data_dir, "bin"), *TASK, "--source-lang", run.src, "--target-lang", run.tgt,
+        "--arch", recipe.arch, *flags,
+        *dev_bleu_flags(recipe.decoding, subword_method(run.data_dir, run.assumed_subword)),
+        "--save-dir", run.path("checkpoints"), "--no-epoch-checkpoints", "--seed", str(run.seed),
+        "--log-format", "json", "--num-workers", "0", *ALL_BATCHES, *run.device_flags(),
+        *batching_flags(recipe, flags, world_size(flags + list(extra), run.num_devices)), *extra)
     problem = ignored_lr_problem(command, [*run.row.model, *run.row.train, *extra])
     if problem:
         raise NormplugError(f"{run.table.name} row {run.row.name!r}: {problem}")
@@ -213,8 +212,8 @@ def train_command(run: "Run", extra: List[str] = ()) -> List[str]:
 
 def generate_command(run: "Run", checkpoint: str, subset: str = "test") -> List[str]:
     """fairseq-generate on ``subset`` with the decoder and post-processing of dev BLEU."""
-    return [os.path.join(BIN_DIR, "fairseq-generate"), os.path.join(run.data_dir, "bin"),
-            "--user-dir", USER_DIR, *TASK, "--source-lang", run.src, "--target-lang", run.tgt,
-            "--path", checkpoint, "--gen-subset", subset,
-            *test_decoding_flags(run.recipe.decoding, subword_method(run.data_dir, run.assumed_subword)),
-            *run.recipe.generate, *ALL_BATCHES, *run.device_flags()]
+    return fairseq_command(
+        "fairseq-generate", os.path.join(run.data_dir, "bin"), *TASK, "--source-lang", run.src,
+        "--target-lang", run.tgt, "--path", checkpoint, "--gen-subset", subset,
+        *test_decoding_flags(run.recipe.decoding, subword_method(run.data_dir, run.assumed_subword)),
+        *run.recipe.generate, *ALL_BATCHES, *run.device_flags())

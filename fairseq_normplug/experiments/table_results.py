@@ -154,7 +154,7 @@ def _field(result, name: str):
 
 
 class TableResults(list):
-    """The rows :func:`run_table` wrote (a list, as before), with the ``runs`` of the table and
+    """The rows :func:`run_table` wrote (a list of row dicts), with the ``runs`` of the table and
     the ``failed`` ones: ``[(run, reason, log path)]`` (a diverged run is a result, not a failure)."""
 
     def __init__(self, rows: List[dict], runs: List[Run], failed: List[Tuple[Run, str, str]]):

@@ -1,4 +1,4 @@
-"""Flags of the normalization designs that followed the two papers (issue 12): QKNorm,
+"""Flags of the normalization designs that followed the two papers: QKNorm,
 residual scaling (ReZero, LayerScale, DeepNorm, Admin), T-Fixup (a ``--weight-init`` choice) and the
 learnable embedding scale; see docs/beyond.md. Also ``--norm-weight-decay`` (the weight
 decay of norm parameters and scalar gains, fairseq_normplug/optim/norm_weight_decay.py).
