@@ -10,7 +10,7 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.placements.bhyt_block import (BHyTBlockLayer, MeasuringBHyT, PredictingBHyT,
                                                           attention_variance_gain, default_scaler_interval)
 from fairseq_normplug.modules.bhyt import BHyT
-from model_helpers import (assert_bf16_close_to_float32, assert_every_parameter_trains,
+from model_helpers import (assert_bf16_close_to_float32, assert_every_parameter_trains, one_backward,
                            assert_incremental_equals_full, build, randomized, toy_batch)
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
@@ -171,9 +171,14 @@ def test_c_attn_is_the_authors_and_updates_on_the_authors_schedule(tiny_bin):
 
 
 def test_c_attn_stays_float32_and_is_saved_with_the_model(tiny_bin):
+    """The checkpoint's c_attn is the one in use, not one recomputed from the loaded weights
+    (between two recomputes the weights move on)."""
     model, task, args = block_model(tiny_bin, "--bhyt-scaler-interval", "3")
     src, lengths, prev = toy_batch(task)
     with torch.no_grad():
+        model(src, lengths, prev)  # computes c_attn
+        for layer in (*model.encoder.layers, *model.decoder.layers):
+            layer.self_attn.v_proj.weight.mul_(1.5)  # an update that is not due for a recompute
         expected = model(src, lengths, prev)[0]
     state = model.state_dict()
     assert "encoder.layers.0.bhyt_c_attn" in state and float(state["decoder.layers.1.bhyt_c_attn"]) > 0
@@ -228,3 +233,15 @@ def test_bad_combinations_are_refused_in_one_line(tiny_bin, flags, message):
 def test_its_flags_need_it(tiny_bin):
     with pytest.raises(NormplugError, match="--bhyt-seq-len needs --bhyt-block-statistics"):
         build(tiny_bin, TINY, "--prenorm", "--norm-type", "bhyt", "--bhyt-seq-len", "64")
+
+
+@pytest.mark.parametrize("flags", [["--normformer"], ["--layernorm-scaling"], ["--gpas"], ["--gated-attention"],
+                                   ["--value-residual"], ["--denseformer"], ["--residual-scale", "layerscale"],
+                                   ["--checkpoint-activations"]], ids=" ".join)
+def test_it_composes_with_the_prenorm_modifiers(tiny_bin, flags):
+    model, task, _ = build(tiny_bin, TINY, *BLOCK, *flags)
+    assert all(isinstance(layer, BHyTBlockLayer) for layer in (*model.encoder.layers, *model.decoder.layers))
+    assert_incremental_equals_full(model, task)
+    grads = one_backward(model, task)
+    missing = [name for name, grad in grads.items() if grad is None]
+    assert not missing, missing
