@@ -17,14 +17,16 @@ tanh(alpha x) saturates when the activations grow with depth). Transcribed from 
   modeling_llama.py:536; ``inv_kappa = 1/kappa``, line 550); eps 1e-6 (lines 72, 112, 228);
   weight (gamma) init 1 (line 93); no bias.
 
-Scope: the authors' full "bhyt" norm type (lines 567-596, 940-947) computes the statistic
-once per block: the block's second norm (post-attention) does not measure its own input but
-predicts its variance from the block input's, ``var_x + c_attn * lam^2 / kappa^2`` (lines
-242, 247), with ``c_attn = ||W_V W_O||_F^2 / (seq_len d)`` from the attention weights
-(``update_scaler``, lines 623-661). That coupling of two norms and the attention's weights
-is not a per-norm map and is not built here; this norm type is the per-norm form above (their
-``bhytstar``), identical to their BHyT at every block's first norm. Being a per-token map it
-composes with every placement, and incremental decoding equals the full forward.
+Scope: this norm type is the per-norm form above (their ``bhytstar``), identical to their BHyT
+at every block's first norm. Being a per-token map it composes with every placement, and
+incremental decoding equals the full forward. The authors' full "bhyt" norm type (lines 567-596,
+989-1095) computes the statistic once per block: the block's second norm (post-attention) does
+not measure its own input but predicts its variance from the block input's, ``var_x + c_attn *
+lam^2 / kappa^2`` (lines 242, 279; :func:`predicted_variance`), with ``c_attn = ||W_V W_O||_F^2 /
+(seq_len d)`` from the attention weights (``update_scaler``, lines 623-661). That couples two
+norms and the attention's weights; it is ``--bhyt-block-statistics``
+(``models/placements/bhyt_block.py``), which gives this module's norms their statistic with
+:meth:`BHyT.from_variance`.
 
 With ``zero_centered_gamma`` (``--zero-centered-gamma``) the gain applied is 1 + gamma, gamma
 init 0 (``norm_base.py``).
