@@ -245,3 +245,20 @@ def test_it_composes_with_the_prenorm_modifiers(tiny_bin, flags):
     grads = one_backward(model, task)
     missing = [name for name, grad in grads.items() if grad is None]
     assert not missing, missing
+
+
+def test_fairseq_train_saves_c_attn_and_generates(tiny_bin, tmp_path):
+    """fairseq-train (in this process, 10 updates, c_attn every 4: fairseq's set_num_updates
+    reaches the layers) logs the norm statistics, saves c_attn, and fairseq-generate decodes."""
+    import math
+    from test_sigma_reparam import train_and_generate
+
+    records, hypotheses, state = train_and_generate(tiny_bin, str(tmp_path),
+                                                    [*BLOCK, "--bhyt-scaler-interval", "4"])
+    assert len(records) == 2 and all(math.isfinite(float(r["loss"])) for r in records)
+    assert "in_std:dec1.cross" in records[-1] and "bhyt_lam:enc0.ffn" in records[-1]
+    assert len(hypotheses) == 100
+    for stack in ("encoder", "decoder"):
+        for index in (0, 1):
+            c_attn = state[f"{stack}.layers.{index}.bhyt_c_attn"]
+            assert c_attn.dtype == torch.float32 and math.isfinite(float(c_attn)) and c_attn > 0

@@ -38,7 +38,9 @@ training step with the number of updates done, and on checkpoint load) recompute
 number is a multiple of ``--bhyt-scaler-interval N`` (default the authors' rule with
 ``--max-update``); in evaluation it is never recomputed. c_attn is a float32 buffer of the layer
 (``bhyt_c_attn``, saved with the checkpoint; the authors' is not persistent and recomputed
-after loading), computed at the first forward when no update or checkpoint set it.
+after loading), computed at the first forward when no update or checkpoint set it. As fairseq
+calls ``set_num_updates`` at the start of the next step, a validation or checkpoint right after a
+due update still has the previous c_attn (the authors recompute at the end of the step).
 
 Which norm gets which statistic (the authors' model is decoder-only, two norms per block):
 
