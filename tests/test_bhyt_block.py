@@ -223,6 +223,8 @@ def test_flag_off_leaves_the_model_unchanged(tiny_bin):
     (["--prenorm", "--norm-type", "bhyt", "--norm-types-per-layer", "enc.0=layernorm"],
      "cannot be combined with --norm-types-per-layer enc.0=layernorm"),
     (["--prenorm", "--norm-type", "bhyt", "--bhyt-seq-len", "0"], "--bhyt-seq-len must be >= 1, got 0"),
+    (["--prenorm", "--norm-type", "bhyt", "--ddp-backend", "fully_sharded"],
+     "cannot be combined with --ddp-backend fully_sharded"),
 ])
 def test_bad_combinations_are_refused_in_one_line(tiny_bin, flags, message):
     with pytest.raises(NormplugError) as error:
@@ -237,7 +239,7 @@ def test_its_flags_need_it(tiny_bin):
 
 @pytest.mark.parametrize("flags", [["--normformer"], ["--layernorm-scaling"], ["--gpas"], ["--gated-attention"],
                                    ["--value-residual"], ["--denseformer"], ["--residual-scale", "layerscale"],
-                                   ["--checkpoint-activations"]], ids=" ".join)
+                                   ["--checkpoint-activations"], ["--zero-centered-gamma"]], ids=" ".join)
 def test_it_composes_with_the_prenorm_modifiers(tiny_bin, flags):
     model, task, _ = build(tiny_bin, TINY, *BLOCK, *flags)
     assert all(isinstance(layer, BHyTBlockLayer) for layer in (*model.encoder.layers, *model.decoder.layers))

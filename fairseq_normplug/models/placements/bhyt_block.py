@@ -56,8 +56,8 @@ Which norm gets which statistic (the authors' model is decoder-only, two norms p
 
 The stacks' final norms stay per-norm BHyT (the authors' last norm is ``BHyT_Star``, line
 1290). Requires ``--norm-type bhyt`` on every norm (``--norm-types-per-layer`` refused) and a
-PreNorm placement; ``--sigma-reparam`` is refused (c_attn reads W_V and W_O, which it
-reparameterises). Other modifiers that change the attention branch (gated attention, LayerNorm
+PreNorm placement; ``--sigma-reparam`` (c_attn reads W_V and W_O, which it reparameterises)
+and ``--ddp-backend fully_sharded`` (they are sharded between steps) are refused. Other modifiers that change the attention branch (gated attention, LayerNorm
 scaling, residual scales) keep the plain block's prediction.
 """
 import torch
@@ -225,6 +225,9 @@ class BHyTBlockStatistics(Modifier):
         if getattr(args, "sigma_reparam", False):
             self.refuse("--bhyt-block-statistics cannot be combined with --sigma-reparam: c_attn reads "
                         "W_V and W_O, which sigmaReparam replaces by gamma / sigma(W) W")
+        if getattr(args, "ddp_backend", None) == "fully_sharded":
+            self.refuse("--bhyt-block-statistics cannot be combined with --ddp-backend fully_sharded: c_attn "
+                        "reads whole W_V and W_O between steps, which FSDP keeps sharded there")
         given = args.bhyt_seq_len
         self.seq_lens = {
             "encoder": given or getattr(args, "max_source_positions", None) or DEFAULT_MAX_SOURCE_POSITIONS,
