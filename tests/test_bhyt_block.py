@@ -216,9 +216,9 @@ def test_flag_off_leaves_the_model_unchanged(tiny_bin):
     (["--norm-type", "bhyt"], "--bhyt-block-statistics cannot be combined with --norm-placement post: the "
                               "authors' block statistics are defined for PreNorm blocks: it has "
                               "normalizes_sublayer_input=False"),
-    (["--norm-placement", "sandwich", "--norm-type", "bhyt"], "placements with normalizes_sublayer_input=True, "
-                                                              "normalizes_sublayer_output=False, residual_stream='raw', "
-                                                              "single_stream=True: pre"),
+    (["--norm-placement", "sandwich", "--norm-type", "bhyt"],
+     "placements with normalizes_sublayer_input=True, normalizes_sublayer_output=False, residual_stream='raw', "
+     "single_stream=True: pre"),
     (["--prenorm", "--norm-type", "bhyt", "--sigma-reparam"], "cannot be combined with --sigma-reparam"),
     (["--prenorm", "--norm-type", "bhyt", "--norm-types-per-layer", "enc.0=layernorm"],
      "cannot be combined with --norm-types-per-layer enc.0=layernorm"),

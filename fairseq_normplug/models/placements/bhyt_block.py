@@ -56,9 +56,10 @@ Which norm gets which statistic (the authors' model is decoder-only, two norms p
 
 The stacks' final norms stay per-norm BHyT (the authors' last norm is ``BHyT_Star``, line
 1290). Requires ``--norm-type bhyt`` on every norm (``--norm-types-per-layer`` refused) and a
-PreNorm placement; ``--sigma-reparam`` (c_attn reads W_V and W_O, which it reparameterises)
-and ``--ddp-backend fully_sharded`` (they are sharded between steps) are refused. Other modifiers that change the attention branch (gated attention, LayerNorm
-scaling, residual scales) keep the plain block's prediction.
+PreNorm placement; ``--sigma-reparam`` (c_attn reads W_V and W_O, which it reparameterises) and
+``--ddp-backend fully_sharded`` (they are sharded between steps) are refused. Other modifiers
+that change the attention branch (gated attention, LayerNorm scaling, residual scales) keep the
+plain block's prediction.
 """
 import torch
 from torch import Tensor, nn
