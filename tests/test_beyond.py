@@ -314,7 +314,7 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
     from fairseq_normplug.experiments.tables import config_string, load_paper_results, paper_bleu
 
     table = load_table("beyond")
-    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 11 + 13 + 11 + 8
+    assert table.pairs == ["gl-en", "sk-en", "en-vi", "en-he", "ar-en"] and len(table.rows) == 11 + 13 + 11 + 9
     final = table.row("PreNorm + FixNorm + ScaleNorm + NoWarmup")
     assert final.model == ["--prenorm", "--fixnorm", "--scalenorm", "--smallinit"]
     authors = [row for row in table.rows if row.schedule == "val_decay"]  # QKNorm's authors' configuration
@@ -332,19 +332,21 @@ def test_beyond_table_loads_without_the_qknorm_paper_number_beside_its_scalenorm
     assert not any("--encoder-layers" in row.model for row in table.rows)  # depth: configs/experiments/depth.json
     # issue 21's rows: with warmup, each against PostNorm or PreNorm + LayerNorm with warmup
     warmup = [row for row in table.rows if row.schedule == "inv_sqrt_decay"]
-    assert len(warmup) == 13 + 6 + 8 and warmup[0].model == [] and warmup[1].model == ["--prenorm"]
+    assert len(warmup) == 13 + 6 + 9 and warmup[0].model == [] and warmup[1].model == ["--prenorm"]
     placements = {row.model[1] for row in warmup if row.model[:1] == ["--norm-placement"]}
     assert placements == {"sandwich", "resi-dual", "b2t", "mix", "hybrid", "siamese", "output-norm",
                           "hyper-connections", "keel", "attention-residuals"}
     # issue 36's rows: each against the baseline of its schedule (warmup: PreNorm + LayerNorm; DyT ablations: DyT)
-    issue36 = table.rows[-19:-8]
+    issue36 = table.rows[-20:-9]
     assert [row.baseline for row in issue36] == (["PreNorm + DyT (alpha0 0.5)"] * 2 + [final.name, "PreNorm + RMSNorm", final.name]
                                                  + [warmup[1].name] * 6)
     assert table.row("nGPT").train == ["--lr", "6.8e-3"] and table.row("mHC (n 4) + warmup").model[-1] == "--hc-manifold"
     assert table.row("PostNorm + Admin + warmup").baseline == warmup[0].name
     # issues 58 and 59's rows: each against PreNorm + LayerNorm with warmup, Keel (a PostNorm) against PostNorm
-    newer = table.rows[-8:]
-    assert [row.baseline for row in newer] == [warmup[1].name] * 6 + [warmup[0].name, warmup[1].name]
+    newer = table.rows[-9:]
+    assert [row.baseline for row in newer] == [warmup[1].name] * 7 + [warmup[0].name, warmup[1].name]
+    assert table.row("PreNorm + BHyT (block statistics) + warmup").model == ["--prenorm", "--norm-type", "bhyt",
+                                                                             "--bhyt-block-statistics"]
     assert table.row("Keel + warmup").model == ["--norm-placement", "keel"]
     decayed = [row for row in warmup if row.train == ["--weight-decay", "0.1"]]
     assert [row.model for row in decayed] == [["--prenorm"], ["--prenorm", "--zero-centered-gamma"],
@@ -367,7 +369,7 @@ def test_the_speed_benchmark_covers_every_beyond_row():
     from fairseq_normplug.bench.bench_train import BEYOND, PLUGIN, VARIANTS
 
     benched = [VARIANTS[name][len(PLUGIN):] for name in BEYOND.split(",") if VARIANTS[name][:2] == PLUGIN[:2]]
-    assert len(benched) == len(set(map(tuple, benched))) == 43 - 3 + 2  # 43 rows, 3 of them off or prenorm
+    assert len(benched) == len(set(map(tuple, benched))) == 44 - 3 + 2  # 44 rows, 3 of them off or prenorm
     for row in load_table("beyond").rows:
         flags = list(row.model)
         if row.model == ["--norm-placement", "mix"]:

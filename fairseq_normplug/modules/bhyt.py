@@ -17,14 +17,16 @@ tanh(alpha x) saturates when the activations grow with depth). Transcribed from 
   modeling_llama.py:536; ``inv_kappa = 1/kappa``, line 550); eps 1e-6 (lines 72, 112, 228);
   weight (gamma) init 1 (line 93); no bias.
 
-Scope: the authors' full "bhyt" norm type (lines 567-596, 940-947) computes the statistic
-once per block: the block's second norm (post-attention) does not measure its own input but
-predicts its variance from the block input's, ``var_x + c_attn * lam^2 / kappa^2`` (lines
-242, 247), with ``c_attn = ||W_V W_O||_F^2 / (seq_len d)`` from the attention weights
-(``update_scaler``, lines 623-661). That coupling of two norms and the attention's weights
-is not a per-norm map and is not built here; this norm type is the per-norm form above (their
-``bhytstar``), identical to their BHyT at every block's first norm. Being a per-token map it
-composes with every placement, and incremental decoding equals the full forward.
+Scope: this norm type is the per-norm form above (their ``bhytstar``), identical to their BHyT
+at every block's first norm. Being a per-token map it composes with every placement, and
+incremental decoding equals the full forward. The authors' full "bhyt" norm type (lines 567-596,
+989-1095) computes the statistic once per block: the block's second norm (post-attention) does
+not measure its own input but predicts its variance from the block input's, ``var_x + c_attn *
+lam^2 / kappa^2`` (lines 242, 279; :func:`predicted_variance`), with ``c_attn = ||W_V W_O||_F^2 /
+(seq_len d)`` from the attention weights (``update_scaler``, lines 623-661). That couples two
+norms and the attention's weights; it is ``--bhyt-block-statistics``
+(``models/placements/bhyt_block.py``), which gives this module's norms their statistic with
+:meth:`BHyT.from_variance`.
 
 With ``zero_centered_gamma`` (``--zero-centered-gamma``) the gain applied is 1 + gamma, gamma
 init 0 (``norm_base.py``).
@@ -32,6 +34,7 @@ init 0 (``norm_base.py``).
 import torch
 from torch import nn
 
+from fairseq_normplug.modules.fused import upcast
 from fairseq_normplug.modules.norm_base import FormulaNorm
 from fairseq_normplug.modules.norm_registry import register_norm
 from fairseq_normplug.numeric_flags import number_flag
@@ -44,11 +47,29 @@ BHYT_DEFAULT_KAPPA = 10.0
 BHYT_EPS = 1e-6
 
 
+def bhyt_from_variance(x: torch.Tensor, variance: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor,
+                       kappa: float, eps: float = BHYT_EPS) -> torch.Tensor:
+    """``weight * tanh(lam * x / (kappa * sqrt(variance + eps)))``: BHyT with its statistic
+    ``variance`` (one value per token, last dimension kept) given, measured or predicted (the
+    authors' ``BHyT.forward``, line 209, with ``rstd = rsqrt(variance + 1e-6) / kappa``, lines 228, 247)."""
+    bound = lam * torch.rsqrt(variance + eps) / kappa
+    return weight * torch.tanh(bound * x)
+
+
 def bhyt_reference(x: torch.Tensor, lam: torch.Tensor, weight: torch.Tensor, kappa: float,
                    eps: float = BHYT_EPS) -> torch.Tensor:
     """``weight * tanh(lam * x / (kappa * sqrt(mean(x^2) + eps)))`` over the last dimension."""
-    bound = lam * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) / kappa
-    return weight * torch.tanh(bound * x)
+    return bhyt_from_variance(x, x.pow(2).mean(dim=-1, keepdim=True), lam, weight, kappa, eps)
+
+
+def predicted_variance(measured: torch.Tensor, c_attn: torch.Tensor, lam: torch.Tensor,
+                       kappa: float) -> torch.Tensor:
+    """The authors' prediction of the variance after an attention sublayer from the one of its
+    input (``LayerWiseVarApproxParrallel.compute_rstd2``, modeling_llama.py:262-285, the baseline
+    method, line 279): ``measured + c_attn * lam^2 / kappa^2``, ``lam`` the BHyT in front of the
+    attention (its output has variance about lam^2 / kappa^2), ``c_attn`` the attention's
+    variance gain (``models/placements/bhyt_block.py``)."""
+    return measured + c_attn * (lam.square() * (1.0 / kappa) ** 2)
 
 
 @register_norm("bhyt", per_channel_gain=True)
@@ -86,6 +107,12 @@ class BHyT(FormulaNorm):
 
     def formula(self, x, lam, weight):
         return bhyt_reference(x, lam, weight, self.kappa)
+
+    def from_variance(self, x: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+        """This norm with its statistic ``variance`` given (float32 for fp16/bf16 ``x``, as
+        ``reference``; the output in ``x``'s dtype): ``--bhyt-block-statistics``."""
+        weight = upcast(self.gain())
+        return bhyt_from_variance(upcast(x), variance, upcast(self.lam), weight, self.kappa).to(x.dtype)
 
     def logged_stats(self):
         """``--norm-stats-interval``: lam (``bhyt_lam:<norm>``)."""

@@ -1,6 +1,6 @@
 """Where the norms of a Transformer layer sit and how its residuals add up (``--norm-placement``),
 and the modifiers on top of a placement (``--normformer``, ``--layernorm-scaling``, ``--gpas``,
-``--gated-attention``, ``--value-residual``).
+``--gated-attention``, ``--value-residual``, ``--bhyt-block-statistics``, ...).
 
 Each placement and modifier is one class in one file here, registered by name with
 :func:`register_placement` / :func:`register_modifier` (``base.py`` documents the interface:
@@ -27,6 +27,7 @@ from fairseq_normplug.models.placements import sigma_reparam  # noqa: F401,E402
 from fairseq_normplug.models.placements import denseformer  # noqa: F401,E402
 from fairseq_normplug.models.placements import keel  # noqa: F401,E402
 from fairseq_normplug.models.placements import attention_residuals  # noqa: F401,E402
+from fairseq_normplug.models.placements import bhyt_block  # noqa: F401,E402
 
 
 def placement_label(name: str, modifiers=()) -> str:
