@@ -9,7 +9,8 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn import Linear, RMSNorm
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
@@ -28,10 +29,17 @@ VARIANTS = {"full": (), "block2": ("--attn-res-blocks", "2"), "block1": ("--attn
             "block4": ("--attn-res-blocks", "4")}
 
 
-# ---- the authors' code, transcribed (MoonshotAI/Attention-Residuals README.md, "PyTorch-style pseudocode") ----
+# ---- the authors' code, transcribed (MoonshotAI/Attention-Residuals 85e2231, README.md:52-91, the ----
+# ---- "PyTorch-style pseudocode" block: block_attn_res README.md:53-65, the layer forward README.md:67-90) ----
 
-def block_attn_res(blocks, partial_block, proj, norm):
-    """``block_attn_res`` of the README, verbatim."""
+def block_attn_res(blocks: list[Tensor], partial_block: Tensor, proj: Linear, norm: RMSNorm) -> Tensor:
+    """
+    Inter-block attention: attend over block reps + partial sum.
+    blocks:
+        N tensors of shape [B, T, D]: completed block representations for each previous block
+    partial_block:
+        [B, T, D]:    intra-block partial sum (b_n^i)
+    """
     V = torch.stack(blocks + [partial_block])  # [N+1, B, T, D]
     K = norm(V)
     logits = torch.einsum('d, n b t d -> n b t', proj.weight.squeeze(), K)
@@ -40,7 +48,7 @@ def block_attn_res(blocks, partial_block, proj, norm):
 
 
 class AuthorsLayer(nn.Module):
-    """The README's layer ``forward``, verbatim, around one of our encoder layers (its attention,
+    """The README's layer ``forward`` (README.md:67-90), verbatim, around one of our encoder layers (its attention,
     FFN and PreNorm norms: ``attn``, ``mlp``, ``attn_norm``, ``mlp_norm``) with the pseudocode's
     ``attn_res_proj`` / ``mlp_res_proj`` (Linear(D, 1)) and ``attn_res_norm`` / ``mlp_res_norm``
     (RMSNorm) holding our pseudo-queries and key norm gains."""
@@ -55,7 +63,7 @@ class AuthorsLayer(nn.Module):
         self.attn_res_proj, self.attn_res_norm = authors_modules(ours["attn"] if "attn" in ours else None)
         self.mlp_res_proj, self.mlp_res_norm = authors_modules(ours["ffn"])
 
-    def forward(self, blocks, hidden_states):
+    def forward(self, blocks: list[Tensor], hidden_states: Tensor) -> tuple[list[Tensor], Tensor]:
         partial_block = hidden_states
         # apply block attnres before attn
         # blocks already include token embedding

@@ -1,11 +1,14 @@
 """Issue 58's Keel (``--norm-placement keel``, models/placements/keel.py): built through fairseq's
 parser on the tiny preset, each layer equal to the paper's equation LN_1(alpha x + F(LN_2(x)))
-written out, alpha = L by default and ``--keel-alpha``, finite, incremental decoding equal to the
-full forward, every parameter trained, norm slots, composition and refusals."""
+written out, alpha = L by default and ``--keel-alpha``, both stacks equal to a transcription of
+x-transformers' ``pre_and_post_norm`` block (lucidrains/x-transformers, which credits the Keel
+paper) on the same modules, finite, incremental decoding equal to the full forward, every
+parameter trained, norm slots, composition and refusals."""
 import math
 
 import pytest
 import torch
+from torch import nn
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
@@ -66,6 +69,114 @@ def test_each_layer_is_the_papers_equation(tiny_bin, alpha_flags, encoder_alpha,
         assert torch.allclose(layer(x, enc, None, self_attn_mask=mask)[0], expected, atol=1e-5)
     # the stacks end with LN_1 of their last sublayer: no extra final norm
     assert model.encoder.layer_norm is None and model.decoder.layer_norm is None
+
+
+# ---- x-transformers' pre_and_post_norm block, transcribed (lucidrains/x-transformers 9252ed7, ----------
+# ---- x_transformers/x_transformers.py; "pre + post norm - keel paper", x_transformers.py:2820) ---------
+
+def exists(val):
+    """``exists`` (x_transformers.py:76-77), verbatim."""
+    return val is not None
+
+
+class Residual(nn.Module):
+    """``Residual`` (x_transformers.py:1144-1160), verbatim (their ``Module`` is ``nn.Module``):
+    ``x`` is the branch's output, ``residual`` the skip, scaled by ``scale_residual_constant``
+    (Keel's alpha)."""
+
+    def __init__(self, dim, scale_residual = False, scale_residual_constant = 1., **kwargs):
+        super().__init__()
+        self.residual_scale = nn.Parameter(torch.ones(dim)) if scale_residual else None
+        self.scale_residual_constant = scale_residual_constant
+
+    def prepare(self, residual):
+        return residual, residual, dict()
+
+    def forward(self, x, residual, **kwargs):
+        if exists(self.residual_scale):
+            residual = residual * self.residual_scale
+
+        if self.scale_residual_constant != 1:
+            residual = residual * self.scale_residual_constant
+
+        return x + residual
+
+
+def x_transformers_layers(x, layers):
+    """The lines of ``AttentionLayers.forward``'s layer loop (x_transformers.py:3478-3547) that run
+    with ``pre_and_post_norm = True`` and nothing else switched on, verbatim but for the two
+    reductions below: every sublayer has
+    ``norm = (pre_branch_norm, None, post_main_norm)`` (x_transformers.py:3135-3143: no sandwich
+    norm, a post-main norm because of pre_and_post_norm), a ``block`` and a ``Residual``; the
+    block's call is reduced to ``block(x)`` (masks and caches go into our ``block`` closures) and
+    the kwargs that only the other residual kinds read are left out. No final norm follows:
+    pre_and_post_norm sets ``pre_norm_has_final_norm = False`` (x_transformers.py:2824-2826, 2998)."""
+    for norm, block, residual_fn in layers:
+        x, inner_residual, residual_kwargs = residual_fn.prepare(x)
+
+        pre_norm, post_branch_norm, post_main_norm = norm
+
+        if exists(pre_norm):
+            x = pre_norm(x)
+
+        out = block(x)
+
+        if exists(post_branch_norm):
+            out = post_branch_norm(out)
+
+        x = residual_fn(out, inner_residual, **residual_kwargs)
+
+        if exists(post_main_norm):
+            x = post_main_norm(x)
+    return x
+
+
+def x_transformers_stack(layers, alpha, x, self_attn_mask=None, enc=None):
+    """Our layers as x-transformers' ('a', 'f') / ('a', 'c', 'f') sublayers (x_transformers.py:
+    2878-2883): pre_branch_norm = our LN_2, post_main_norm = our LN_1, ``Residual`` with
+    ``scale_residual_constant = alpha``."""
+    sublayers = []
+    for layer in layers:
+        kinds = [("attn", layer.self_attn_layer_norm,
+                  lambda h, layer=layer: layer.self_attn(h, h, h, attn_mask=self_attn_mask, need_weights=False)[0])]
+        if enc is not None:
+            kinds.append(("cross", layer.encoder_attn_layer_norm, lambda h, layer=layer: layer.encoder_attn(
+                h, enc, enc, static_kv=True, need_weights=False)[0]))
+        kinds.append(("ffn", layer.final_layer_norm, layer.feed_forward))
+        for kind, post_main_norm, block in kinds:
+            norm = (getattr(layer, INPUT_NORMS[kind]), None, post_main_norm)
+            sublayers.append((norm, block, Residual(64, scale_residual_constant=alpha)))
+    return x_transformers_layers(x, sublayers)
+
+
+@pytest.mark.parametrize("alpha_flags,encoder_alpha,decoder_alpha", [
+    ((), 4.0, 6.0),
+    (("--keel-alpha", "2.5"), 2.5, 2.5),
+])
+def test_both_stacks_equal_x_transformers_pre_and_post_norm_with_the_residual_scaled_by_alpha(
+        tiny_bin, alpha_flags, encoder_alpha, decoder_alpha):
+    """x-transformers' block with ``scale_residual_constant = alpha`` is Keel's
+    LN_1(alpha x + F(LN_2(x))) for every sublayer: the whole encoder and decoder (embedding output
+    in, stack output out, no final norm) give the same numbers as ours."""
+    model, task, _ = build(tiny_bin, TINY, *KEEL, *alpha_flags)
+    randomized(model, seed=1).eval()
+    src, lengths, prev = toy_batch(task)
+    assert not src.eq(task.source_dictionary.pad()).any()
+    with torch.no_grad():
+        encoder_out = model.encoder(src, src_lengths=lengths)
+        ours = encoder_out["encoder_out"][0]
+        x, _ = model.encoder.forward_embedding(src)
+        theirs = x_transformers_stack(model.encoder.layers, encoder_alpha, x.transpose(0, 1))
+        assert torch.allclose(ours, theirs, atol=1e-5)
+
+        ours, _ = model.decoder.extract_features(prev, encoder_out=encoder_out)
+        decoder = model.decoder
+        x = decoder.embed_scale * decoder.embed_tokens(prev) + decoder.embed_positions(prev)
+        length = prev.size(1)
+        mask = torch.triu(torch.full((length, length), float("-inf")), 1)
+        theirs = x_transformers_stack(decoder.layers, decoder_alpha, x.transpose(0, 1), mask,
+                                      encoder_out["encoder_out"][0])
+        assert torch.allclose(ours, theirs.transpose(0, 1), atol=1e-5)
 
 
 def test_norm_slots_get_the_chosen_norm_type_and_are_logged(tiny_bin):

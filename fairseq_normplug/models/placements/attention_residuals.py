@@ -1,7 +1,7 @@
 """Attention Residuals (Kimi Team, "Attention Residuals", 2026, arXiv:2603.15031; authors' code
 MoonshotAI/Attention-Residuals, whose code is the "PyTorch-style pseudocode" block of its
-``README.md``, the paper's Figure 2: ``block_attn_res`` and the layer's ``forward``; the repository
-could not be fetched here, the block was read as public copies quote it, so no line numbers): each
+``README.md``, the paper's Figure 2: ``block_attn_res`` (README.md:53-65 at commit 85e2231) and the
+layer's ``forward`` (README.md:67-90); docs/beyond.md says how these were checked): each
 sublayer's input is a softmax-weighted sum over depth of the earlier sublayer outputs and the
 embedding output, in place of PreNorm's unit-weight residual sum,
 

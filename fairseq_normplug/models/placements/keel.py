@@ -1,17 +1,21 @@
 """Keel (Chen & Wei 2026, "Post-LayerNorm Is Back: Stable, ExpressivE, and Deep",
-arXiv:2601.19895; no official code: the paper's block equation is the reference): a PostNorm
-Transformer whose residual path becomes a Highway-style scaled connection, with a second norm
-on the sublayer's input. For every sublayer F (self-attention, cross-attention, FFN)
+arXiv:2601.19895, Eq. (8) / (16); no official code: the paper's equation is the reference, and
+x-transformers' ``pre_and_post_norm`` with ``scale_residual_constant = alpha`` computes the same
+block, docs/beyond.md gives the lines): a PostNorm Transformer whose residual path becomes a
+Highway-style scaled connection, with a second norm on the sublayer's input. For every sublayer
+F (self-attention, cross-attention, FFN)
 
     x_{l+1} = LN_1( alpha x_l + Dropout(F(LN_2(x_l))) ),      alpha = L,
 
 L the number of sublayers of the stack (encoder: 2 per layer; decoder: 3 per layer with
-cross-attention), or ``--keel-alpha A``. LN_1 is fairseq's own PostNorm norm of the sublayer
-(``self_attn_layer_norm``, ``encoder_attn_layer_norm``, ``final_layer_norm``); LN_2 is a new
-norm on the sublayer's input (``keel_attn_input_norm``, ``keel_cross_input_norm``,
-``keel_ffn_input_norm``). Each stack ends with LN_1 of its last sublayer, so there is no extra
-final norm (as PostNorm). The paper's norms are RMSNorm (``--norm-type rmsnorm``); any
-``--norm-type`` fills both. Keel needs no special init: fairseq's (or ``--weight-init``) is kept.
+cross-attention), or ``--keel-alpha A``. Every layer is this block, the first included: the
+paper's section 3.1 makes its first layer a plain PreNorm layer (no alpha, no LN_1), which is not
+done here. LN_1 is fairseq's own PostNorm norm of the sublayer (``self_attn_layer_norm``,
+``encoder_attn_layer_norm``, ``final_layer_norm``); LN_2 is a new norm on the sublayer's input
+(``keel_attn_input_norm``, ``keel_cross_input_norm``, ``keel_ffn_input_norm``). Each stack ends
+with LN_1 of its last sublayer, so there is no extra final norm (as PostNorm). The paper's norms
+are RMSNorm (``--norm-type rmsnorm``); any ``--norm-type`` fills both. Keel needs no special
+init: fairseq's (or ``--weight-init``) is kept.
 
 The paper's model is decoder-only; here the encoder gets the same block, and the decoder's
 cross-attention is a sublayer like the others (its query LN_2(x), its keys and values the
