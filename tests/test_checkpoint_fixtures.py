@@ -5,9 +5,11 @@ on purpose) is loaded through fairseq's own ``checkpoint_utils.load_model_ensemb
 as fairseq-generate and the hub load a checkpoint, and must give the log-probabilities and
 the greedy and beam-2 decodes it gave when it was saved.
 """
+import dataclasses
 import importlib.util
 import json
 import os
+import textwrap
 from argparse import Namespace
 
 import pytest
@@ -15,6 +17,8 @@ import torch
 from fairseq import checkpoint_utils, utils
 
 from conftest import REPO
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.resolved_config import built_config, resolve
 
 FIXTURE_DIR = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 _spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(FIXTURE_DIR, "make_fixtures.py"))
@@ -64,3 +68,49 @@ def test_fixture_loads_and_decodes_as_when_saved(name):
             f"{name} beam {beam}"
         for i, (ours, theirs) in enumerate(zip(now["decodes"][beam], hypotheses)):
             assert_close(ours["positional_scores"], theirs["positional_scores"], f"{name} beam {beam} sentence {i}")
+
+
+#: what each fixture's loaded model says it was built from (models/resolved_config.py)
+RESOLVED = {
+    "stock_postnorm": ("layernorm", "post", (), False, "fairseq"),
+    "tears_prenorm_fixnorm_scalenorm_smallinit": ("scalenorm", "pre", (), True, "smallinit"),
+    "prenorm_dyt": ("dyt", "pre", (), False, "fairseq"),
+    "b2t": ("layernorm", "b2t", (), False, "fairseq"),
+    "hyper_connections_2": ("layernorm", "hyper-connections", (), False, "fairseq"),
+    "prenorm_gated_attention": ("layernorm", "pre", ("gated-attention",), False, "fairseq"),
+}
+
+
+@pytest.mark.parametrize("name", list(RESOLVED))
+def test_a_loaded_model_carries_the_configuration_it_was_built_from(name):
+    model, _, _ = load_fixture(name)
+    config = built_config(model)
+    assert (config.norm_type, config.placement, config.modifiers, config.fixnorm, config.weight_init) == RESOLVED[name]
+    assert config.extension_modules == () and config.norm_types_per_layer is None
+    assert config.placement_design is config.settings.layer_plan.placement
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.norm_type = "rmsnorm"
+
+
+def test_resolve_refuses_in_one_line_and_records_extensions(tmp_path):
+    with pytest.raises(NormplugError, match="--prenorm contradicts --postnorm"):
+        resolve(Namespace(prenorm=True, postnorm=True))
+    name = f"resolved_norm_{os.getpid()}"  # its own name: no other test can have loaded it
+    extension = tmp_path / f"{name}.py"
+    extension.write_text(textwrap.dedent(f"""
+        from fairseq_normplug import FormulaNorm, register_norm
+
+        @register_norm("{name}")
+        class ResolvedNorm(FormulaNorm):
+            \"\"\"y = x (a test norm).\"\"\"
+
+            def __init__(self, dim, args):
+                super().__init__(dim)
+
+            def formula(self, x, weight):
+                return x
+    """))
+    config = resolve(Namespace(normplug_modules=str(extension), norm_type=name))
+    assert config.norm_type == name and config.extension_modules == (str(extension),)
+    assert (config.placement, config.modifiers, config.qknorm, config.residual_scale) == ("post", (), False, "none")
+    assert built_config(torch.nn.Linear(1, 1)) is None
