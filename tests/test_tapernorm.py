@@ -147,19 +147,21 @@ def test_fold_refusals_one_line(tapered, tiny_bin, tmp_path):
                                   f"0.933, not 0 yet (it reaches 0 at update 10); train until then before --to folded")
     assert not os.path.exists(out)
     loaded = load_checkpoint(os.path.join(save_dir, "checkpoint_last.pt"), tiny_bin)
-    cfg = loaded.cfg.model
-    # a resolved config's --norm-placement is its placement (a PreNorm config relabelled post would
-    # still carry fairseq's normalize-before flags: fairseq's mixed model)
-    for key, value, message in (("norm_placement", "sandwich", "has --norm-placement sandwich; --to folded needs pre"),
-                                ("qknorm", True, "has --qknorm, which changes what the norms feed"),
-                                ("norm_type", "dyt", "has --norm-type dyt; --to folded takes a --norm-type tapernorm")):
-        old = getattr(cfg, key)
-        setattr(cfg, key, value)
-        try:
-            with pytest.raises(NormplugError, match=message):
-                fold.check_foldable(loaded.model, cfg, "CKPT")
-        finally:
-            setattr(cfg, key, old)
+    fold.check_foldable(loaded.model, "CKPT")  # gate 0, PreNorm TaperNorm: foldable
+    # the verdict is the model's resolved configuration, not the checkpoint's raw flags: models
+    # built with other flags are refused (the checkpoint's cfg changed after loading is not read)
+    taper = ["--norm-type", "tapernorm", "--taper-updates", "4", "10"]
+    for flags, message in ((["--norm-placement", "sandwich", *taper], "has --norm-placement sandwich; --to folded needs pre"),
+                           (["--prenorm", "--qknorm", *taper], "has --qknorm, which changes what the norms feed"),
+                           (["--prenorm", "--normformer", *taper], "has --normformer, which changes what the norms feed"),
+                           (["--prenorm", "--cross-self-attention", *taper],
+                            "has --cross-self-attention, which changes what the norms feed"),
+                           (["--prenorm", "--dyt"], "has --norm-type dyt; --to folded takes a --norm-type tapernorm")):
+        model, _, _ = build(tiny_bin, TINY, *flags)
+        with pytest.raises(NormplugError, match=message):
+            fold.check_foldable(model, "CKPT")
+    loaded.cfg.model.norm_placement = "sandwich"
+    fold.check_foldable(loaded.model, "CKPT")
 
 
 def test_fold_is_exact_on_a_random_model(tiny_bin):

@@ -29,13 +29,13 @@ from fairseq_normplug.diagnostics.convert import converted_state, save_checkpoin
 from fairseq_normplug.diagnostics.loading import DEFAULT_GENERATION, dev_translations, load_checkpoint, resolve_data
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
-from fairseq_normplug.models.placement_args import built_placement
 from fairseq_normplug.models.placements.base import PRENORM_LIKE, lacks, missing_capability
+from fairseq_normplug.models.resolved_config import built_config
 from fairseq_normplug.modules.identity_norm import IdentityNorm
 from fairseq_normplug.modules.taper_norm import TaperNorm
 
-#: flags that change what a PreNorm norm feeds, so the fold would not be exact
-UNFOLDABLE_FLAGS = ("qknorm", "normformer", "layernorm_scaling", "cross_self_attention", "layernorm_embedding")
+#: the plugin's switches that change what a PreNorm norm feeds, so the fold would not be exact
+UNFOLDABLE_SWITCHES = ("qknorm", "normformer", "layernorm-scaling")
 
 
 def fold_affine_into_linear(linear: torch.nn.Linear, scale: torch.Tensor, shift: torch.Tensor,
@@ -75,24 +75,38 @@ def norm_consumers(model) -> Dict[str, List[torch.nn.Linear]]:
     return consumers
 
 
-def check_foldable(model, model_cfg, path: str) -> None:
-    """One-line refusals: not TaperNorm, not PreNorm, a modifier, or a gate that is not 0."""
-    if getattr(model_cfg, "norm_type", None) != "tapernorm" or getattr(model_cfg, "taper_folded", False):
-        what = "is folded already" if getattr(model_cfg, "taper_folded", False) else \
-            f"has --norm-type {getattr(model_cfg, 'norm_type', None) or 'layernorm'}"
+def _unfoldable_stock_options(model) -> list:
+    """fairseq's own options of ``model`` that change what its PreNorm norms feed (as flags)."""
+    options = []
+    if getattr(model.decoder, "cross_self_attention", False):
+        options.append("--cross-self-attention")
+    if any(getattr(stack, "layernorm_embedding", None) is not None for stack in (model.encoder, model.decoder)):
+        options.append("--layernorm-embedding")
+    return options
+
+
+def check_foldable(model, path: str) -> None:
+    """One-line refusals: not TaperNorm, not PreNorm, a modifier, or a gate that is not 0. The
+    norm type, placement and switches are those the model was built from (its resolved
+    configuration, ``models/resolved_config.py``), never the checkpoint's raw flags."""
+    config = built_config(model)
+    folded = config is not None and bool(config.norm_flag("taper_folded"))
+    if config is None or config.norm_type != "tapernorm" or folded:
+        what = "is folded already" if folded else \
+            f"has --norm-type {config.norm_type if config is not None else 'layernorm'}"
         raise NormplugError(f"{path} {what}; --to folded takes a --norm-type tapernorm checkpoint")
-    placement = built_placement(model_cfg)
+    placement = config.placement_design
     if missing_capability(placement, PRENORM_LIKE) is not None:
         raise NormplugError(f"{path} has {placement.describe()}; --to folded needs pre (a norm output in the "
                             f"residual stream cannot be folded into a linear layer): {lacks(placement, PRENORM_LIKE)}")
-    given = [flag for flag in UNFOLDABLE_FLAGS if getattr(model_cfg, flag, False)]
+    given = [f"--{switch}" for switch in UNFOLDABLE_SWITCHES if config.has(switch)] + _unfoldable_stock_options(model)
     if given:
-        raise NormplugError(f"{path} has --{given[0].replace('_', '-')}, which changes what the norms feed; "
+        raise NormplugError(f"{path} has {given[0]}, which changes what the norms feed; "
                             f"--to folded takes plain PreNorm")
     gates = {float(norm.gate) for norm in named_norms(model).values() if isinstance(norm, TaperNorm) and norm.tapers}
     if gates != {0.0}:
         raise NormplugError(f"{path}: the TaperNorm gate is {max(gates):.4g}, not 0 yet (it reaches 0 at "
-                            f"update {model_cfg.taper_updates[1]}); train until then before --to folded")
+                            f"update {config.norm_flag('taper_updates')[1]}); train until then before --to folded")
 
 
 def fold_model(model) -> Tuple[torch.nn.Module, Dict[str, int]]:
@@ -130,7 +144,7 @@ def fold_checkpoint(checkpoint: str, data_dir: str, out: str, generation=None, e
     returns {"folded": {norm: linear layers}, "remaining_norms": [...], "hypotheses_equal": bool}."""
     resolve_data(data_dir)
     loaded = load_checkpoint(checkpoint, data_dir)
-    check_foldable(loaded.model, loaded.cfg.model, checkpoint)
+    check_foldable(loaded.model, checkpoint)
     folded, absorbed = fold_model(loaded.model)
     state = converted_state(loaded, folded, "tapernorm")
     _set_model_cfg(state, taper_folded=True)

@@ -17,6 +17,10 @@ projections and the learnable embedding scale.
 ``TransformerConfig`` (which, from a hydra DictConfig, keeps none of the plugin's fields), so
 the plan resolved in :meth:`TransformerNormplugModel.build_model` travels beside it in
 :data:`BUILDING_LAYER_PLAN`, a ContextVar set for the duration of that one call.
+
+``build_model`` resolves the flags once (``models/resolved_config.py``: :func:`resolve`) and keeps
+the frozen result on the model as ``model.normplug_config``, which readers of a built or loaded
+model ask instead of the raw flags (issue 56).
 """
 from contextvars import ContextVar
 from typing import Optional
@@ -33,9 +37,10 @@ from fairseq_normplug.extensions import load_command_line_extensions
 from fairseq_normplug.fairseq_parsing import one_line_errors, parse_in_progress
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
-from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.models.normplug_args import add_normplug_args
 from fairseq_normplug.models.normplug_config import check_model_setting_names, resolved_config
 from fairseq_normplug.models.placements.layers import LayerPlan, PlacedDecoder, PlacedEncoder
+from fairseq_normplug.models.resolved_config import resolve
 from fairseq_normplug.modules.auto_init import AutoScaleInit
 from fairseq_normplug.modules.fixnorm_embedding import FixNormEmbedding
 from fairseq_normplug.modules.embed_scale import make_embed_scale_learnable
@@ -134,7 +139,8 @@ class TransformerNormplugModel(TransformerModel):
 
     @classmethod
     def _build_model(cls, args, task):
-        settings = resolve_normplug_args(args)
+        config = resolve(args)  # kept on the model: what its readers ask (models/resolved_config.py)
+        settings = config.settings
         if getattr(args, "share_all_embeddings", False) and task.source_dictionary != task.target_dictionary:
             raise NormplugError(
                 "--share-all-embeddings needs a joined dictionary (fairseq-preprocess "
@@ -172,6 +178,7 @@ class TransformerNormplugModel(TransformerModel):
         model.norm_stats = NormStatsRecorder({**named_norms(model), **layer_plan.logged_modules(model)},
                                              settings.norm_stats_interval)
         model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
+        model.normplug_config = config
         return model
 
     def load_state_dict(self, state_dict, *args, **kwargs):
