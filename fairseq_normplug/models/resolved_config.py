@@ -1,4 +1,4 @@
-"""The model's resolved configuration: one frozen object per model build (issue 56).
+"""The model's resolved configuration: one frozen object per model build.
 
 :func:`resolve` validates the plugin's flags on ``args`` (with
 :func:`~fairseq_normplug.models.normplug_args.resolve_normplug_args`: its one-line refusals, the
@@ -8,9 +8,9 @@ objects they came from (:class:`NormplugSettings`, with its ``LayerPlan``). ``bu
 it on the built model as ``model.normplug_config``; a reader of a built or loaded model (the
 diagnostics of a checkpoint, :func:`built_config`) asks it, never the raw flags again.
 
-This is the first step of issue 56: the object is read beside the older forms (``args``
-written in place, ``NormplugSettings``, the ``TransformerNormplugConfig`` of the build hooks
-and the ``LayerPlan`` they get through a ContextVar); the model is built exactly as before.
+The model is built from the older forms (``args`` written in place, ``NormplugSettings``, the
+``TransformerNormplugConfig`` of the build hooks and the ``LayerPlan`` they get through a
+ContextVar); this object is read beside them (docs/extending.md).
 """
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple

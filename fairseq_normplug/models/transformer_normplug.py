@@ -20,7 +20,7 @@ the plan resolved in :meth:`TransformerNormplugModel.build_model` travels beside
 
 ``build_model`` resolves the flags once (``models/resolved_config.py``: :func:`resolve`) and keeps
 the frozen result on the model as ``model.normplug_config``, which readers of a built or loaded
-model ask instead of the raw flags (issue 56).
+model ask instead of the raw flags.
 """
 from contextvars import ContextVar
 from typing import Optional
