@@ -146,8 +146,8 @@ def test_a_finished_run_of_the_same_command_elsewhere_is_adopted_not_retrained(t
     assert adopt_kept_runs(runs, str(tmp_path / "runs"), lines.append) == []  # once only
 
 
-def _result(row, status="ok", bleu=None):
-    return {"row": row, "seed": 1, "status": status, "tokenized_bleu": bleu}
+def _result(row, status="ok", bleu=None, p=None):
+    return {"row": row, "seed": 1, "status": status, "tokenized_bleu": bleu, "p_value_adjusted": p}
 
 
 def test_the_design_by_depth_table_and_figure_mark_diverged_runs(tmp_path):
@@ -155,14 +155,14 @@ def test_the_design_by_depth_table_and_figure_mark_diverged_runs(tmp_path):
     results = [_result("PostNorm + LayerNorm + warmup", bleu=20.0),
                _result("PostNorm + LayerNorm + warmup, 6 layers", bleu=18.5),
                _result("PostNorm + LayerNorm + warmup, 12 layers", status="diverged"),
-               _result("PreNorm + LayerNorm + warmup, 6 layers", bleu=21.25),
+               _result("PreNorm + LayerNorm + warmup, 6 layers", bleu=21.25, p=0.004),
                _result("PreNorm + LayerNorm + warmup, 24 layers", status="failed")]
     grid = by_design(results, table)
     assert list(grid) == ["PostNorm + LayerNorm + warmup", "PreNorm + LayerNorm + warmup"]
     text = depth_markdown(results, table)
     assert "| design | 3 | 6 | 12 | 24 |" in text
     assert "| PostNorm + LayerNorm + warmup | 20.00 | 18.50 | *diverged* | - |" in text
-    assert "| PreNorm + LayerNorm + warmup | - | 21.25 | - | *failed* |" in text
+    assert "| PreNorm + LayerNorm + warmup | - | 21.25\u2021 | - | *failed* |" in text  # against PostNorm at 6
     drawn = depth_figures.plot_metric_against_depth(grid, table.depths, str(tmp_path / "d.png"))
     assert drawn["PostNorm + LayerNorm + warmup"] == {"scored": [(3, 20.0), (6, 18.5)], "unscored": [(12, "diverged")]}
     assert drawn["PreNorm + LayerNorm + warmup"] == {"scored": [(6, 21.25)], "unscored": [(24, "failed")]}

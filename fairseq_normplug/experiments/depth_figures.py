@@ -10,11 +10,20 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.experiments.depths import by_design, depth_markdown  # noqa: E402
-from fairseq_normplug.experiments.figures import cm_color, save_figure  # noqa: E402
+from matplotlib import colormaps  # noqa: E402
+
+from fairseq_normplug.experiments.figures import save_figure  # noqa: E402
 from fairseq_normplug.experiments.training_log import parse_training_log  # noqa: E402
 from fairseq_normplug.atomic_files import write_text_atomic  # noqa: E402
 
 BLEU_FIGURE = "depth_bleu.png"
+#: one marker per design beside its colour (tab20 has 20 colours; the designs are more than viridis can tell apart)
+MARKERS = "os^vD<>pPhX*"
+
+
+def design_style(index: int) -> dict:
+    """The colour and marker of the ``index``-th design, the same in both figures."""
+    return {"color": colormaps["tab20"](index % 20), "marker": MARKERS[index % len(MARKERS)]}
 LOSS_FIGURE = "depth_train_loss.png"
 
 
@@ -27,18 +36,16 @@ def plot_metric_against_depth(grid: Dict[str, Dict[int, dict]], depths: Sequence
     ax = fig.add_subplot()
     drawn = {}
     for index, (design, cells) in enumerate(grid.items()):
-        color = cm_color(index, len(grid))
+        style = design_style(index)
         scored = [(d, cells[d][metric]) for d in depths if d in cells and cells[d].get("status") == "ok"
                   and cells[d].get(metric) is not None]
         unscored = [(d, cells[d].get("status")) for d in depths
                     if d in cells and cells[d].get("status") in ("diverged", "failed")]
-        linestyle = "-" if index < 10 else "--"  # the colour map's 10 colours, then dashed
         if scored:
-            ax.plot([d for d, _ in scored], [v for _, v in scored], marker="o", markersize=4, color=color,
-                    linestyle=linestyle, label=design)
+            ax.plot([d for d, _ in scored], [v for _, v in scored], markersize=5, label=design, **style)
         if unscored:
-            ax.plot([d for d, _ in unscored], [0] * len(unscored), marker="x", markersize=9, linestyle="none",
-                    color=color, label=None if scored else f"{design} (no score)")
+            ax.plot([d for d, _ in unscored], [0] * len(unscored), marker="x", markersize=10, linestyle="none",
+                    color=style["color"], label=None if scored else f"{design} (no score)")
         drawn[design] = {"scored": scored, "unscored": unscored}
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(depths), [str(d) for d in depths])
@@ -50,18 +57,19 @@ def plot_metric_against_depth(grid: Dict[str, Dict[int, dict]], depths: Sequence
     return drawn
 
 
-def plot_train_loss(logs: Dict[str, list], layers: int, path: str) -> Dict[str, tuple]:
+def plot_train_loss(logs: Dict[str, list], layers: int, path: str, designs: Sequence[str]) -> Dict[str, tuple]:
     """Train loss (fairseq's ``loss`` of train_inner records, base 2) against updates of each
-    design at ``layers`` layers. Returns {design: (updates, losses)}."""
+    design at ``layers`` layers, each in its style of ``designs`` (the table's order). Returns
+    {design: (updates, losses)}."""
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     series = {}
-    for index, (design, log) in enumerate(logs.items()):
+    for design, log in logs.items():
         updates, losses = log.series("train_inner", "loss")
         if not updates:
             continue
-        ax.plot(updates, losses, color=cm_color(index, len(logs)), linestyle="-" if index < 10 else "--",
-                linewidth=1.1, label=design)
+        ax.plot(updates, losses, linewidth=1.1, markersize=3, markevery=2, label=design,
+                **design_style(designs.index(design)))
         series[design] = (list(updates), list(losses))
     if not series:
         raise NormplugError(f"no train_inner loss in the logs of the runs at {layers} layers")
@@ -96,7 +104,7 @@ def write_depth_outputs(table, runs: List, results: Sequence[dict], results_dir:
                     echo(f"[reproduce] {run.label}: {error}; left out of {LOSS_FIGURE}")
         path = os.path.join(results_dir, LOSS_FIGURE)
         try:
-            plot_train_loss(logs, deepest, path)
+            plot_train_loss(logs, deepest, path, list(dict.fromkeys(row.design for row in table.rows)))
             written.append(path)
         except NormplugError as error:
             echo(f"[reproduce] figure {LOSS_FIGURE}: skipped: {error}")

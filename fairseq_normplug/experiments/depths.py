@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from fairseq_normplug.atomic_files import copy_atomic
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.tables import significance_mark
 
 #: the records a finished run folder holds (checkpoints are not kept, docs/results/runs/README.md)
 KEPT_RECORDS = ("train.log", "generate-test.txt", "scores.json", "status.json")  # status.json last: it marks done
@@ -120,7 +121,7 @@ def _cell(result: Optional[dict], metric: str) -> str:
     if result.get("status") != "ok":
         return f"*{result.get('status')}*"
     value = result.get(metric)
-    return "-" if value is None else f"{value:.2f}"
+    return "-" if value is None else f"{value:.2f}{significance_mark(result.get('p_value_adjusted'))}"
 
 
 def depth_markdown(results: Sequence[dict], table, metric: str = "tokenized_bleu") -> str:
@@ -133,6 +134,7 @@ def depth_markdown(results: Sequence[dict], table, metric: str = "tokenized_bleu
     for design, cells in grid.items():
         lines.append(f"| {design} | " + " | ".join(_cell(cells.get(d), metric) for d in depths) + " |")
     lines.append("")
-    lines.append("*diverged*: the run's dev loss became NaN or over twice a uniform guess's "
-                 "(docs/experiments.md); it is a result, drawn as x in the figure.")
+    lines.append("\u2020 p < 0.05, \u2021 p < 0.01 against the design's baseline at the same depth (p (adj.) of "
+                 "results.md). *diverged*: the run's dev loss became NaN or over twice a uniform guess's "
+                 "(docs/experiments.md); it is a result, drawn as x in the figure. *pending*: not trained yet.")
     return "\n".join(lines) + "\n"
