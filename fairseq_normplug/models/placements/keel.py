@@ -20,7 +20,8 @@ fairseq's own PostNorm norm of the sublayer (``self_attn_layer_norm``,
 ``encoder_attn_layer_norm``, ``final_layer_norm``), removed (None) in a PreNorm first layer;
 LN_2 is a new norm on the sublayer's input (``keel_attn_input_norm``, ``keel_cross_input_norm``,
 ``keel_ffn_input_norm``). Each stack ends with LN_1 of its last sublayer, so there is no extra
-final norm (as PostNorm). The paper's norms are RMSNorm (``--norm-type rmsnorm``); any
+final norm (as PostNorm; a one-layer stack under ``--keel-first-layer pre`` therefore ends
+without a norm). The paper's norms are RMSNorm (``--norm-type rmsnorm``); any
 ``--norm-type`` fills every norm that exists. Keel needs no special init: fairseq's (or
 ``--weight-init``) is kept.
 
