@@ -193,7 +193,9 @@ EXPECTED_NORMS = {
     | {"enc.final", "dec.final"},
     "hyper-connections": POST | {"enc.final", "dec.final"} | layer_names("enc", 2, ["hc_attn", "hc_ffn"])
     | layer_names("dec", 2, ["hc_attn", "hc_cross", "hc_ffn"]),
-    "keel": POST | layer_names("enc", 2, ["keel_attn_in", "keel_ffn_in"])
+    # Keel's first layers are PreNorm layers (section 3.1): no LN_1 (attn, cross, ffn) there
+    "keel": (POST - {"enc0.attn", "enc0.ffn", "dec0.attn", "dec0.cross", "dec0.ffn"})
+    | layer_names("enc", 2, ["keel_attn_in", "keel_ffn_in"])
     | layer_names("dec", 2, ["keel_attn_in", "keel_cross_in", "keel_ffn_in"]),
     "attention-residuals": POST | {"enc.final", "dec.final"},
 }
