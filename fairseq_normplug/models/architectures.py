@@ -1,9 +1,12 @@
-"""Named presets of ``transformer_normplug`` (``--arch NAME``). Presets set sizes, dropout
-and embedding tying only; normalization choices always come from the flags."""
+"""Named presets of ``transformer_normplug`` (``--arch NAME``). Presets fill in fairseq's
+defaults only (sizes, dropout and embedding tying), as fairseq's own architectures do;
+normalization choices always come from the flags, and what the plugin itself must write into
+``args`` is written by models/args_writer.py."""
 from fairseq.models import register_model_architecture
 from fairseq.models.transformer.transformer_legacy import base_architecture
 
-from fairseq_normplug.models.normplug_args import bf16_without_tpu, resolve_normplug_args
+from fairseq_normplug.models.args_writer import bf16_without_tpu
+from fairseq_normplug.models.normplug_args import resolve_normplug_args
 
 MODEL = "transformer_normplug"
 

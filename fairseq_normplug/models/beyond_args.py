@@ -55,16 +55,20 @@ class BeyondSettings:
     embed_scale: str
     norm_weight_decay: Optional[float] = None  # None: not given, --weight-decay for everything
 
+    def resolved_fields(self) -> dict:
+        """The flags with their defaults resolved, to write into ``args``."""
+        return {"residual_scale": self.residual_scale, "embed_scale": self.embed_scale}
+
 
 def resolve_beyond_args(args, norm_type: str, placement, weight_init_given: bool) -> BeyondSettings:
     """Validate the flags (``norm_type``, ``placement`` (the chosen
     :class:`~fairseq_normplug.models.placements.Placement`) and ``weight_init`` already
-    resolved; ``weight_init_given``: the user chose an init other than fairseq's)."""
-    for name, value in BEYOND_DEFAULTS.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    residual = args.residual_scale = args.residual_scale or "none"
-    embed_scale = args.embed_scale = args.embed_scale or "fixed"
+    resolved; ``weight_init_given``: the user chose an init other than fairseq's;
+    :data:`BEYOND_DEFAULTS` filled in). Reads ``args`` only: the resolved ``residual_scale`` and
+    ``embed_scale`` are written by :mod:`~fairseq_normplug.models.args_writer`
+    (:meth:`BeyondSettings.resolved_fields`)."""
+    residual = args.residual_scale or "none"
+    embed_scale = args.embed_scale or "fixed"
 
     def refuse(message):
         raise NormplugError(message)

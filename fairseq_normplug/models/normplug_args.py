@@ -2,13 +2,13 @@
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
 import argparse
-import importlib.util
 import logging
 from dataclasses import dataclass
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.extensions import LOADED, load_extensions, needed_sources
-from fairseq_normplug.models.beyond_args import BeyondSettings, add_beyond_args, resolve_beyond_args
+from fairseq_normplug.models.args_writer import fill_defaults, write_resolved
+from fairseq_normplug.models.beyond_args import BEYOND_DEFAULTS, BeyondSettings, add_beyond_args, resolve_beyond_args
 from fairseq_normplug.models.norm_types_per_layer import (EXAMPLE, check_norm_types_per_layer, named_norm_types,
                                                           norm_type_sources)
 from fairseq_normplug.models.placement_args import add_placement_args, resolve_placement_args
@@ -16,11 +16,13 @@ from fairseq_normplug.models.placements.base import PRENORM_LIKE, lacks, missing
 from fairseq_normplug.models.placements.layers import LayerPlan
 from fairseq_normplug.numeric_flags import check_number_flags, number_flag
 from fairseq_normplug.models.output_layer_args import (
+    OUTPUT_LAYER_DEFAULTS,
     OutputLayerSettings,
     add_output_layer_args,
     resolve_output_layer_args,
 )
-from fairseq_normplug.modules.norm_registry import (NormType, add_norm_type_args, resolve_norm_type,
+from fairseq_normplug.modules.norm_registry import (NormType, add_norm_type_args, check_norm_type_args,
+                                                     chosen_norm_type, norm_flag_defaults,
                                                      zero_centered_gamma_types)
 from fairseq_normplug.modules.weight_init import WEIGHT_INITS
 
@@ -103,63 +105,52 @@ def check_numeric_flags(args) -> None:
     check_number_flags(args, parser._actions)
 
 
-def fill_normplug_defaults(args) -> None:
-    for name, value in DEFAULTS.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-
-
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise NormplugError(message)
 
 
-def bf16_without_tpu(args) -> None:
-    """Let ``--bf16`` mean bfloat16 on a GPU or CPU. fairseq's argument parser turns every
-    ``--bf16`` into ``--tpu`` (a TPU-era shortcut), which then fails in ``torch_xla`` on any
-    other machine; where ``torch_xla`` is not installed that can only be a mistake, so the
-    TPU switch is taken back (on a TPU machine nothing changes)."""
-    if (getattr(args, "bf16", False) and getattr(args, "tpu", False)
-            and importlib.util.find_spec("torch_xla") is None):
-        logger.info("--bf16 without torch_xla installed: bfloat16 on the GPU or CPU, not a TPU")
-        args.tpu = False
-
-
-def _tie_output_layer_for_fixnorm(args) -> None:
-    """FixNorm is defined on the tied output layer (Tears eq. 6), so ``--fixnorm`` implies
-    ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output layer
-    (the sharing flags are store_true), so there is no explicit request to refuse."""
+def fixnorm_ties_output_layer(args) -> bool:
+    """Whether ``--fixnorm`` must tie the output layer (its fields, to write: the output layer is
+    not tied yet). FixNorm is defined on the tied output layer (Tears eq. 6), so ``--fixnorm``
+    implies ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output
+    layer (the sharing flags are store_true), so there is no explicit request to refuse."""
     if getattr(args, "share_decoder_input_output_embed", False) or getattr(args, "share_all_embeddings", False):
-        return
-    args.share_decoder_input_output_embed = True
+        return False
     logger.info("--fixnorm: tying the output layer to the target embeddings "
                 "(--share-decoder-input-output-embed)")
+    return True
 
 
-def record_extensions(args, modules) -> None:
-    """Write into ``args.normplug_modules`` (saved with every checkpoint) where the extensions
-    it names and the ones defining ``modules`` (the chosen norm type and placement) came from,
-    as absolute paths or module names; with built-ins only it stays as it was (None)."""
+def recorded_extensions(args, modules) -> dict:
+    """The value of ``args.normplug_modules`` (saved with every checkpoint), as fields to write:
+    where the extensions it names and the ones defining ``modules`` (the chosen norm type and
+    placement) came from, as absolute paths or module names; with built-ins only none (it stays
+    as it was, None)."""
     recorded = [LOADED.get(name, name) for name in load_extensions(args.normplug_modules)]
     recorded += [source for source in needed_sources(modules) if source not in recorded]
-    if recorded:
-        args.normplug_modules = ",".join(recorded)
+    return {"normplug_modules": ",".join(recorded)} if recorded else {}
 
 
 def resolve_normplug_args(args) -> NormplugSettings:
-    """Validate the plugin flags on ``args`` (in place: defaults, --prenorm -> fairseq's
-    normalize_before flags, shorthands -> norm_type) and return the resolved settings.
+    """Validate the plugin flags on ``args`` and return the resolved settings. ``args`` is
+    completed in place, by :mod:`~fairseq_normplug.models.args_writer` only: defaults, the
+    resolved names (--prenorm -> fairseq's normalize_before flags, shorthands -> norm_type),
+    each written as soon as it is resolved, before the next step reads ``args``.
 
     Raises :class:`NormplugError` with a one-line message naming the bad value and choices.
     """
-    fill_normplug_defaults(args)
+    fill_defaults(args, DEFAULTS)
     load_extensions(args.normplug_modules)  # the checkpoint's or the command line's own norms/placements
     check_numeric_flags(args)  # finite and in range, before any combination is judged
     per_layer_types = named_norm_types(args)  # --norm-types-per-layer's form: one line if malformed
-    norm = resolve_norm_type(args, also_used=per_layer_types)  # --norm-type, its shorthands, flags, refusals
+    fill_defaults(args, norm_flag_defaults())
+    norm = chosen_norm_type(args)  # --norm-type or its shorthands
+    write_resolved(args, {"norm_type": norm.name})
+    check_norm_type_args(args, norm, also_used=per_layer_types)  # other types' flags, the type's own refusals
     norm_type = norm.name
     layer_plan = resolve_placement_args(args)  # --norm-placement, --prenorm/--postnorm, modifiers
-    record_extensions(args, [norm.source, *norm_type_sources(args), *layer_plan.sources])
+    write_resolved(args, recorded_extensions(args, [norm.source, *norm_type_sources(args), *layer_plan.sources]))
     prenorm = missing_capability(layer_plan.placement, PRENORM_LIKE) is None
     prenorm_requirement = getattr(norm.module, "prenorm_requirement", None)  # the norm type's flags
     needs_prenorm = prenorm_requirement(args) if prenorm_requirement else None
@@ -176,16 +167,20 @@ def resolve_normplug_args(args) -> NormplugSettings:
                  f"--smallinit contradicts --weight-init {args.weight_init}; "
                  f"choose one of {', '.join(WEIGHT_INITS)}")
         weight_init = "smallinit"
-    args.weight_init = weight_init
+    write_resolved(args, {"weight_init": weight_init})
 
     if args.fixnorm:
-        _tie_output_layer_for_fixnorm(args)
+        if fixnorm_ties_output_layer(args):
+            write_resolved(args, {"share_decoder_input_output_embed": True})
         _require(not getattr(args, "adaptive_softmax_cutoff", None),
                  "--fixnorm cannot be combined with --adaptive-softmax-cutoff "
                  f"(got {getattr(args, 'adaptive_softmax_cutoff', None)})")
 
+    fill_defaults(args, BEYOND_DEFAULTS)
     beyond = resolve_beyond_args(args, norm_type, layer_plan.placement, weight_init_given)
+    write_resolved(args, beyond.resolved_fields())
     check_norm_types_per_layer(args, layer_plan, beyond.residual_scale, weight_init)
+    fill_defaults(args, OUTPUT_LAYER_DEFAULTS)
     output = resolve_output_layer_args(args)
 
     return NormplugSettings(prenorm=prenorm, norm=norm, fixnorm=args.fixnorm,

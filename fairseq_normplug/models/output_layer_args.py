@@ -30,10 +30,8 @@ class OutputLayerSettings:
 
 
 def resolve_output_layer_args(args) -> OutputLayerSettings:
-    """Fill the defaults on ``args`` and refuse the combinations that cannot work."""
-    for name, value in OUTPUT_LAYER_DEFAULTS.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+    """Refuse the combinations that cannot work (``args`` read only, with
+    :data:`OUTPUT_LAYER_DEFAULTS` filled in)."""
     adaptive = getattr(args, "adaptive_softmax_cutoff", None)
     for flag, on in (("--target-vocab-mask", args.target_vocab_mask), ("--output-bias", args.output_bias)):
         if on and adaptive:

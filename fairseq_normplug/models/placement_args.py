@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Mapping
 
 from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.models.args_writer import fill_defaults, write_design_fields, write_resolved
 from fairseq_normplug.models.placements import MODIFIERS, PLACEMENTS, Placement, registered_designs
 from fairseq_normplug.models.placements.base import flag
 from fairseq_normplug.models.placements.layers import LayerPlan
@@ -35,21 +36,21 @@ def _refuse(message: str) -> None:
     raise NormplugError(message)
 
 
-def fill_placement_defaults(args) -> None:
-    """Every design's flags that ``args`` lacks (old checkpoints, other entry points)."""
+def placement_defaults() -> dict:
+    """{dest: default} of every design's flags (filled in where ``args`` lacks them: old
+    checkpoints, other entry points)."""
     defaults = {"norm_placement": None}
     for design in registered_designs():
         defaults.update(design.defaults)
     defaults.update({name.replace("-", "_"): False for name in MODIFIERS})
-    for name, value in defaults.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+    return defaults
 
 
-def _chosen_placement(args) -> str:
-    """Resolve ``--norm-placement`` / ``--prenorm`` / ``--postnorm`` / fairseq's normalize-before
-    flags into one placement name (written back to ``args.norm_placement``; ``pre`` also sets
-    fairseq's two normalize-before flags)."""
+def _chosen_placement(args):
+    """``(name, fields)``: the placement that ``--norm-placement`` / ``--prenorm`` / ``--postnorm``
+    / fairseq's normalize-before flags choose, and the fields to write into ``args`` for it
+    (``norm_placement``; for ``pre`` first fairseq's two normalize-before flags). ``args`` is
+    read only."""
     given = args.norm_placement
     if given is not None and given not in PLACEMENTS:
         _refuse(f"unknown --norm-placement {given!r}; choose from {', '.join(PLACEMENTS)}")
@@ -70,18 +71,20 @@ def _chosen_placement(args) -> str:
     if placement is None and len(normalize_before) == 1:
         # fairseq's own mixed model (one stack PreNorm), reported as post; args keep no
         # placement, so resolving them again (build_model, checkpoint load) is not refused
-        return "post"
+        return "post", {}
     placement = placement or ("pre" if normalize_before else "post")
-    if placement == "pre":
-        args.encoder_normalize_before = args.decoder_normalize_before = True
-    args.norm_placement = placement
-    return placement
+    fields = dict.fromkeys(NORMALIZE_BEFORE, True) if placement == "pre" else {}
+    return placement, {**fields, "norm_placement": placement}
 
 
 def resolve_placement_args(args) -> LayerPlan:
-    """The placement and modifiers the flags choose, each validating what goes with it."""
-    fill_placement_defaults(args)
-    placement = PLACEMENTS[_chosen_placement(args)](args)
+    """The placement and modifiers the flags choose, each validating what goes with it; what
+    they resolve is written into ``args`` by models/args_writer.py as each is chosen."""
+    fill_defaults(args, placement_defaults())
+    name, fields = _chosen_placement(args)
+    write_resolved(args, fields)
+    placement = PLACEMENTS[name](args)
+    write_design_fields(args, placement)
     for name, cls in PLACEMENTS.items():
         given = [dest for dest in cls.defaults if getattr(args, dest) is not None]
         if given and type(placement) is not cls:
@@ -90,6 +93,7 @@ def resolve_placement_args(args) -> LayerPlan:
     for name, cls in MODIFIERS.items():
         if cls.enabled(args):
             modifiers.append(cls(args, placement))
+            write_design_fields(args, modifiers[-1])
         else:
             given = [dest for dest in cls.defaults if getattr(args, dest) not in (None, False)]
             if given:
@@ -105,15 +109,15 @@ def placement_name(model_cfg) -> str:
     normalize-before flags are ``pre``, anything else the default ``post`` (an old checkpoint,
     fairseq's mixed model). ``model_cfg`` is not changed."""
     args = _placement_fields(model_cfg)
-    return args.norm_placement or _chosen_placement(args)
+    return args.norm_placement or _chosen_placement(args)[0]
 
 
 def _placement_fields(model_cfg) -> argparse.Namespace:
     """A copy of ``model_cfg`` as a Namespace, with every design's defaults filled in."""
     fields = model_cfg if isinstance(model_cfg, Mapping) or hasattr(model_cfg, "items") else vars(model_cfg)
-    args = argparse.Namespace(**{"prenorm": False, "postnorm": False, **dict(fields.items())})
-    fill_placement_defaults(args)
-    return args
+    fields = {"prenorm": False, "postnorm": False, **dict(fields.items())}
+    fields.update({name: value for name, value in placement_defaults().items() if fields.get(name) is None})
+    return argparse.Namespace(**fields)
 
 
 def built_placement(model_cfg) -> Placement:

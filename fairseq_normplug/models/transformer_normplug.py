@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from fairseq_normplug.errors import NormplugError, exit_with_one_line, in_hydra_job
 from fairseq_normplug.extensions import load_command_line_extensions
 from fairseq_normplug.fairseq_parsing import one_line_errors, parse_in_progress
+from fairseq_normplug.models.args_writer import write_resolved
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
 from fairseq_normplug.models.norm_placement import install_norms, named_norms
 from fairseq_normplug.models.normplug_args import add_normplug_args
@@ -147,6 +148,8 @@ class TransformerNormplugModel(TransformerModel):
                 "--joined-dictionary); with separate dictionaries pass "
                 "--share-decoder-input-output-embed instead")
         beyond, output = settings.beyond, settings.output
+        if beyond.qknorm and getattr(args, "qknorm_g0", None) is None:  # from the data, once: recorded
+            write_resolved(args, {"qknorm_g0": resolve_g0(args, task)})
         g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         allowed = build_allowed_types(args, task) if output.target_vocab_mask else None
         layer_plan = settings.layer_plan

@@ -173,14 +173,11 @@ def norm_flag_defaults() -> Dict[str, object]:
     return defaults
 
 
-def resolve_norm_type(args, also_used: Sequence[str] = ()) -> NormType:
-    """The norm type chosen by ``--norm-type`` or a shorthand (layernorm by default), with its
-    refusals: two types at once, another type's flag (a type in ``also_used``, which
-    ``--norm-types-per-layer`` names, may get its flags), ``--zero-centered-gamma`` without a
-    gain, then the type's own ``check_args``. Writes the name back to ``args.norm_type``."""
-    for dest, default in norm_flag_defaults().items():
-        if getattr(args, dest, None) is None:
-            setattr(args, dest, default)
+def chosen_norm_type(args) -> NormType:
+    """The norm type chosen by ``--norm-type`` or a shorthand (layernorm by default); two types
+    at once are refused. ``args`` (with :func:`norm_flag_defaults` filled in) is read only: the
+    caller writes the name to ``args.norm_type`` (models/args_writer.py) before
+    :func:`check_norm_type_args`."""
     chosen = []
     if args.norm_type is not None:
         chosen.append((f"--norm-type {args.norm_type}", get_norm_type(args.norm_type).name))
@@ -189,8 +186,13 @@ def resolve_norm_type(args, also_used: Sequence[str] = ()) -> NormType:
     if len({name for _, name in chosen}) > 1:
         raise NormplugError(f"two norm types at once: {' and '.join(f for f, _ in chosen)}; "
                             f"choose one of {', '.join(NORM_TYPES)}")
-    norm = NORM_TYPES[chosen[0][1] if chosen else "layernorm"]
-    args.norm_type = norm.name
+    return NORM_TYPES[chosen[0][1] if chosen else "layernorm"]
+
+
+def check_norm_type_args(args, norm: NormType, also_used: Sequence[str] = ()) -> None:
+    """The refusals of the norm type ``norm`` (:func:`chosen_norm_type`): another type's flag (a
+    type in ``also_used``, which ``--norm-types-per-layer`` names, may get its flags),
+    ``--zero-centered-gamma`` without a gain, then the type's own ``check_args``."""
     for other in NORM_TYPES.values():
         given = [dest for dest, default in other.defaults.items()
                  if other is not norm and other.name not in also_used
@@ -202,7 +204,6 @@ def resolve_norm_type(args, also_used: Sequence[str] = ()) -> NormType:
     norm.check_args(args)  # first, so a norm's own reason for refusing a flag wins
     if getattr(args, "zero_centered_gamma", False) and not norm.per_channel_gain:
         raise NormplugError(zero_centered_gamma_error(norm.name))
-    return norm
 
 
 def norm_type_of(module: nn.Module) -> str:
@@ -219,8 +220,11 @@ def norm_args(norm_type: str = "layernorm", **values) -> argparse.Namespace:
     """Arguments resolved as ``fairseq-train`` resolves them for one norm type, for building its
     norms outside a model (tests, notebooks): ``--norm-eps`` 1e-5, no ``--zero-centered-gamma``,
     the norm's own flags at their defaults, overridden by ``values`` (e.g. ``dyt_alpha_init=0.2``)."""
-    args = argparse.Namespace(**{"norm_type": norm_type, "norm_eps": 1e-5, "zero_centered_gamma": False, **values})
-    resolve_norm_type(args)
+    fields = {"norm_type": norm_type, "norm_eps": 1e-5, "zero_centered_gamma": False, **values}
+    fields.update({dest: default for dest, default in norm_flag_defaults().items() if fields.get(dest) is None})
+    norm = chosen_norm_type(argparse.Namespace(**fields))
+    args = argparse.Namespace(**{**fields, "norm_type": norm.name})
+    check_norm_type_args(args, norm)
     return args
 
 

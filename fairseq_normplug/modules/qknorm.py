@@ -124,8 +124,9 @@ def install_qknorm(model, g0: float) -> None:
 
 
 def resolve_g0(args, task) -> float:
-    """--qknorm-g0 if given, else log2(L^2 - L) from the training target lengths; the value
-    is written back to ``args`` so checkpoints (and generate/hub loading) never need the data."""
+    """--qknorm-g0 if given, else log2(L^2 - L) from the training target lengths. ``args`` is
+    read only: the caller writes the value back (models/args_writer.py) so checkpoints (and
+    generate/hub loading) never need the data."""
     if getattr(args, "qknorm_g0", None) is not None:
         return float(args.qknorm_g0)
     cfg = getattr(task, "cfg", args)
@@ -139,5 +140,4 @@ def resolve_g0(args, task) -> float:
     g0 = qknorm_g0(length)
     logger.info(f"QKNorm: {LENGTH_PERCENTILE}th percentile of {len(lengths)} training target lengths "
                 f"L = {length:.2f}, g0 = log2(L^2 - L) = {g0:.4f}")
-    args.qknorm_g0 = g0
     return g0

@@ -165,6 +165,12 @@ class LayerDesign:
             if getattr(args, name, None):
                 self.refuse(f"{flag(name)} cannot be combined with {self.describe()}: {reason}")
 
+    def resolved_fields(self) -> Dict[str, object]:
+        """The design's own flags (keys of :attr:`defaults`) whose resolved values (a default
+        chosen, a list normalised) ``args`` must record, so that a checkpoint rebuilds the same
+        design; models/args_writer.py writes them (a design never writes ``args`` itself)."""
+        return {}
+
     def build_layer(self, layer: nn.Module, index: int, num_layers: int) -> None:
         """Change layer ``index`` (0-based) of a stack of ``num_layers``, freshly built by fairseq."""
 

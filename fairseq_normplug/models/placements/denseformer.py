@@ -145,8 +145,11 @@ class DenseFormer(Modifier):
             if getattr(args, name, None):
                 self.refuse(f"{flag(name)} cannot be combined with --denseformer: each block's averaging weights "
                             f"are defined over all blocks of its stack")
-        self.dilation = args.denseformer_dilation = args.denseformer_dilation or 1
-        self.period = args.denseformer_period = args.denseformer_period or 1
+        self.dilation = args.denseformer_dilation or 1
+        self.period = args.denseformer_period or 1
+
+    def resolved_fields(self):
+        return {"denseformer_dilation": self.dilation, "denseformer_period": self.period}
 
     def build_stack(self, stack):
         stack.denseformer = DepthWeightedAverages(len(stack.layers), self.dilation, self.period)

@@ -147,8 +147,11 @@ class HyperConnections(Placement):
                                          "it scales")
         self.refuse_tfixup(args)
         self.refuse_layerdrop(args, "its residual streams run through every layer of the stack")
-        self.streams = args.hc_streams = streams
-        self.manifold = args.hc_manifold = bool(args.hc_manifold)
+        self.streams = streams
+        self.manifold = bool(args.hc_manifold)
+
+    def resolved_fields(self):
+        return {"hc_streams": self.streams, "hc_manifold": self.manifold}
 
     def build_layer(self, layer, index, num_layers):
         kinds = ["attn", "cross", "ffn"] if getattr(layer, "encoder_attn", None) is not None else ["attn", "ffn"]

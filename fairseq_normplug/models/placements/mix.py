@@ -43,7 +43,10 @@ class MixLN(Placement):
     def __init__(self, args):
         super().__init__(args)
         ratio = MIX_LN_DEFAULT_RATIO if args.mix_ln_ratio is None else args.mix_ln_ratio
-        self.ratio = args.mix_ln_ratio = ratio
+        self.ratio = ratio
+
+    def resolved_fields(self):
+        return {"mix_ln_ratio": self.ratio}
 
     def build_layer(self, layer, index, num_layers):
         layer.normalize_before = index >= post_layers(num_layers, self.ratio)

@@ -131,7 +131,6 @@ class ValueResidual(Modifier):
         super().__init__(args, placement)
         given = args.value_residual_lambdas
         self.lambdas = tuple(float(v) for v in given) if given is not None else DEFAULT_LAMBDAS
-        args.value_residual_lambdas = list(self.lambdas)
         for name in ("encoder_layerdrop", "decoder_layerdrop"):
             if getattr(args, name, 0):
                 self.refuse(f"--{name.replace('_', '-')} {getattr(args, name)} cannot be combined with "
@@ -140,6 +139,9 @@ class ValueResidual(Modifier):
             self.refuse("--cross-self-attention cannot be combined with --value-residual: the decoder's "
                         "self-attention values would include the encoder positions, which ResFormer does not define")
         self.refuse_xformers(args, "the value mix needs fairseq's own attention path")
+
+    def resolved_fields(self):
+        return {"value_residual_lambdas": list(self.lambdas)}
 
     def build_layer(self, layer, index, num_layers):
         install_value_residual(layer, index, num_layers, self.lambdas)
