@@ -8,7 +8,8 @@ objects they came from (:class:`NormplugSettings`, with its ``LayerPlan``). ``bu
 it on the built model as ``model.normplug_config``; a reader of a built or loaded model (the
 diagnostics of a checkpoint, :func:`built_config`) asks it, never the raw flags again.
 
-The model is built from the older forms (``args`` written in place, ``NormplugSettings``, the
+The model is built from the older forms (``args`` completed in place, by
+:mod:`~fairseq_normplug.models.args_writer` only; ``NormplugSettings``, the
 ``TransformerNormplugConfig`` of the build hooks and the ``LayerPlan`` they get through a
 ContextVar); this object is read beside them (docs/extending.md).
 """
@@ -69,8 +70,9 @@ def _frozen(value):
 
 
 def resolve(args) -> ResolvedConfig:
-    """Validate the plugin's flags on ``args`` (``resolve_normplug_args``: in place, one-line
-    :class:`~fairseq_normplug.errors.NormplugError` refusals) and return what they chose."""
+    """Validate the plugin's flags on ``args`` (``resolve_normplug_args``: completed in place by
+    models/args_writer.py, one-line :class:`~fairseq_normplug.errors.NormplugError` refusals) and
+    return what they chose."""
     settings = resolve_normplug_args(args)
     norm = settings.norm
     modules = getattr(args, "normplug_modules", None)
