@@ -36,6 +36,13 @@ NAMESPACES = {
     "hyper_connections": {"norm_placement": "hyper-connections", "hc_manifold": True},
     "mixed_fairseq_prenorm": {"encoder_normalize_before": True},
 }
+#: name -> (norm type, values): ``norm_args``'s Namespace (norms built outside a model)
+NORM_ARGS = {
+    "layernorm": ("layernorm", {}),
+    "dyt_alpha": ("dyt", {"dyt_alpha_init": 0.2}),
+    "scalenorm": ("scalenorm", {}),
+    "rmsnorm_zero_centered": ("rmsnorm", {"zero_centered_gamma": True}),
+}
 #: fields that name this machine (its GPU count) or this checkout, not the resolution
 VOLATILE = ("data", "user_dir", "distributed_world_size", "distributed_num_procs", "nprocs_per_node")
 
@@ -63,12 +70,21 @@ def hand_made(name):
     return [[key, jsonable(value)] for key, value in vars(args).items()]
 
 
+def norm_args_fields(name):
+    """``norm_args``'s Namespace for the case, as ordered (key, value) pairs."""
+    from fairseq_normplug.modules.norm_registry import norm_args
+
+    norm_type, values = NORM_ARGS[name]
+    return [[key, jsonable(value)] for key, value in vars(norm_args(norm_type, **values)).items()]
+
+
 def snapshot():
     return {"parsed": {name: parsed(name) for name in FLAG_SETS},
-            "hand_made": {name: hand_made(name) for name in NAMESPACES}}
+            "hand_made": {name: hand_made(name) for name in NAMESPACES},
+            "norm_args": {name: norm_args_fields(name) for name in NORM_ARGS}}
 
 
 if __name__ == "__main__":
-    with open(SNAPSHOT, "w", encoding="utf-8") as f:
+    with open(sys.argv[1] if len(sys.argv) > 1 else SNAPSHOT, "w", encoding="utf-8") as f:
         json.dump(snapshot(), f, indent=1, sort_keys=False)
         f.write("\n")

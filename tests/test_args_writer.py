@@ -12,7 +12,7 @@ import os
 import pytest
 
 from conftest import REPO
-from resolved_args_snapshot import FLAG_SETS, NAMESPACES, SNAPSHOT, hand_made, parsed
+from resolved_args_snapshot import FLAG_SETS, NAMESPACES, NORM_ARGS, SNAPSHOT, hand_made, norm_args_fields, parsed
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.args_writer import FAIRSEQ_FIELDS, PLUGIN_FIELDS, write_design_fields, write_resolved
@@ -31,6 +31,11 @@ def test_parsed_and_resolved_args_are_unchanged(name):
 @pytest.mark.parametrize("name", sorted(NAMESPACES))
 def test_a_hand_made_namespace_gets_the_same_fields_in_the_same_order(name):
     assert hand_made(name) == EXPECTED["hand_made"][name]
+
+
+@pytest.mark.parametrize("name", sorted(NORM_ARGS))
+def test_norm_args_gives_the_same_namespace(name):
+    assert norm_args_fields(name) == EXPECTED["norm_args"][name]
 
 
 # ---- who writes fairseq's args ------------------------------------------------------------------

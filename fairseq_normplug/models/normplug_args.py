@@ -111,10 +111,11 @@ def _require(condition: bool, message: str) -> None:
 
 
 def fixnorm_ties_output_layer(args) -> bool:
-    """Whether ``--fixnorm`` must tie the output layer (its fields, to write: the output layer is
-    not tied yet). FixNorm is defined on the tied output layer (Tears eq. 6), so ``--fixnorm``
-    implies ``--share-decoder-input-output-embed``. fairseq has no flag that unties the output
-    layer (the sharing flags are store_true), so there is no explicit request to refuse."""
+    """Whether ``--fixnorm`` must tie the output layer: it is not tied yet (the caller writes
+    ``share_decoder_input_output_embed``). FixNorm is defined on the tied output layer (Tears
+    eq. 6), so ``--fixnorm`` implies ``--share-decoder-input-output-embed``. fairseq has no flag
+    that unties the output layer (the sharing flags are store_true), so there is no explicit
+    request to refuse."""
     if getattr(args, "share_decoder_input_output_embed", False) or getattr(args, "share_all_embeddings", False):
         return False
     logger.info("--fixnorm: tying the output layer to the target embeddings "
