@@ -13,6 +13,7 @@ from fairseq_normplug.experiments.configs import Row, load_table
 from fairseq_normplug.experiments.depths import (adopt_kept_runs, by_design, check_depths, depth_markdown,
                                                  expand_rows, rows_at_depths)
 from fairseq_normplug.experiments.runs import run_folder
+from fairseq_normplug.experiments.training_log import parse_training_log
 from fairseq_normplug.models.placements import training_task
 from model_helpers import build
 
@@ -167,3 +168,33 @@ def test_the_design_by_depth_table_and_figure_mark_diverged_runs(tmp_path):
     assert drawn["PostNorm + LayerNorm + warmup"] == {"scored": [(3, 20.0), (6, 18.5)], "unscored": [(12, "diverged")]}
     assert drawn["PreNorm + LayerNorm + warmup"] == {"scored": [(6, 21.25)], "unscored": [(24, "failed")]}
     assert open(tmp_path / "d.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _train_log(path, losses):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for update, loss in enumerate(losses, start=1):
+            record = {"epoch": 1, "update": update / 10, "loss": str(loss), "num_updates": str(update * 10)}
+            f.write(f"2026-12-06 08:35:38 | INFO | train_inner | {json.dumps(record)}\n")
+
+
+def test_depth_outputs_are_written_from_the_runs_with_the_deepest_logs(tmp_path):
+    names = ["PostNorm + LayerNorm + warmup", "PostNorm + LayerNorm + warmup, 6 layers",
+             "PreNorm + LayerNorm + warmup, 6 layers", "Keel + warmup"]
+    runs = _runs(tmp_path, names)
+    for run, losses in zip(runs, ([9, 8], [9, 7.5, 7], [9, 6, 5], [8, 7])):
+        _train_log(run.path("train.log"), losses)
+    results = [_result(names[0], bleu=20.0), _result(names[1], status="diverged"), _result(names[2], bleu=19.0),
+               _result(names[3], bleu=18.0)]
+    lines = []
+    written = depth_figures.write_depth_outputs(load_table("depth"), runs, results, str(tmp_path), "tokenized_bleu",
+                                                lines.append)
+    assert [os.path.basename(path) for path in written] == ["depth.md", "depth_bleu.png", "depth_train_loss.png"]
+    text = open(tmp_path / "depth.md").read()
+    assert "| PostNorm + LayerNorm + warmup | 20.00 | *diverged* | - | - |" in text
+    assert "![tokenized_bleu against depth](depth_bleu.png)" in text
+    # the loss figure: the 6-layer runs only, in the table's order
+    drawn = depth_figures.plot_train_loss({"PostNorm + LayerNorm + warmup": parse_training_log(runs[1].path("train.log"))},
+                                          6, str(tmp_path / "l.png"), ["PostNorm + LayerNorm + warmup"])
+    assert drawn == {"PostNorm + LayerNorm + warmup": ([10, 20, 30], [9.0, 7.5, 7.0])}
+    assert len(lines) == 3 and all(line.startswith("[reproduce] depth: ") for line in lines)
