@@ -136,7 +136,8 @@ def test_parameter_counts(norm_type, count):
 
 
 def test_registry_types_and_roles():
-    assert set(NORM_TYPES) == {"layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "dyisru", "seednorm", "identity",
+    # the package's own types (an extension another test loaded into this process stays registered)
+    assert {name for name, norm in NORM_TYPES.items() if norm.source.startswith("fairseq_normplug.")} == {"layernorm", "scalenorm", "rmsnorm", "dyt", "derf", "dyisru", "seednorm", "identity",
                                "tapernorm", "layernorm-fixed-std", "bhyt"}
     assert isinstance(build_norm(norm_args(), D), type(LayerNorm(D)))
     attention, ffn_slot = NormSlot(ATTENTION), NormSlot(FFN)
