@@ -1,16 +1,23 @@
 """How the plugin's model is built (fairseq_normplug/models/transformer_normplug.py): fairseq's
 ``build_model`` replicated with the layer plan passed explicitly to ``build_encoder`` /
-``build_decoder`` (no build state outside the call), and the replica still fairseq's code."""
+``build_decoder`` (no build state outside the call), and the replica still fairseq's code; a model
+that still holds a placeholder LayerNorm after the build is refused in one line."""
 import contextvars
 import importlib
 
 import fairseq
+import pytest
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase
+from torch import nn
 
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.fairseq_patches import source_digest
-from fairseq_normplug.models import transformer_normplug
+from fairseq_normplug.models import norm_placement, transformer_normplug
+from fairseq_normplug.models.norm_placement import PLACEHOLDER_CLASSES, install_norms
+from fairseq_normplug.models.placements import PLACEMENTS, Placement, new_norm, register_placement
 from fairseq_normplug.models.placements.layers import PlacedDecoder, PlacedEncoder
 from fairseq_normplug.models.transformer_normplug import REPLICATED_FAIRSEQ_BUILD
+from fairseq_normplug.modules.norm_registry import FFN
 from model_helpers import build
 
 TINY = "transformer_normplug_tiny"
@@ -48,3 +55,63 @@ def test_the_layer_plan_reaches_both_stacks(tiny_bin):
 def test_flags_off_builds_fairseqs_own_stacks(tiny_bin):
     model, _, _ = build(tiny_bin, TINY)
     assert type(model.encoder) is TransformerEncoderBase and type(model.decoder) is TransformerDecoderBase
+
+
+class LateSlot(Placement):
+    """A faulty design: it lists the slot ``late_norm`` but fills it only in ``finish_model``,
+    after ``install_norms`` ran, so the slot keeps its placeholder LayerNorm."""
+
+    stock_forward = True
+    norm_slots = (("late_norm", FFN, "late"),)
+
+    def finish_model(self, model):
+        layer = model.decoder.layers[1]
+        layer.late_norm = new_norm(layer.embed_dim, FFN)
+
+
+@pytest.fixture
+def late_slot():
+    register_placement("late-slot")(LateSlot)
+    yield
+    del PLACEMENTS["late-slot"]
+
+
+def test_a_design_that_leaves_a_placeholder_is_refused_in_one_line(tiny_bin, late_slot):
+    with pytest.raises(NormplugError) as refused:
+        build(tiny_bin, TINY, "--norm-placement", "late-slot", "--rmsnorm")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "placeholder LayerNorm at decoder.layers.1.late_norm (dec1.late)" in message
+    assert "norm type rmsnorm" in message
+
+
+def test_a_slot_install_norms_skipped_is_refused_in_one_line(tiny_bin, monkeypatch):
+    """install_norms leaving fairseq's own encoder FFN norm of layer 0 as built."""
+    def skipping_one_slot(model, args):
+        as_built = model.encoder.layers[0].final_layer_norm
+        installed = install_norms(model, args)
+        model.encoder.layers[0].final_layer_norm = as_built
+        return installed
+
+    monkeypatch.setattr(transformer_normplug, "install_norms", skipping_one_slot)
+    with pytest.raises(NormplugError, match=r"^the built model still holds a placeholder LayerNorm at "
+                                            r"encoder\.layers\.0\.final_layer_norm \(enc0\.ffn\)[^\n]*$"):
+        build(tiny_bin, TINY, "--scalenorm")
+
+
+def test_fairseqs_layernorm_is_no_placeholder_where_layernorm_is_asked(tiny_bin):
+    """The LayerNorms a slot is built with are the norms themselves with the layernorm type,
+    everywhere or at the sites --norm-types-per-layer gives it."""
+    model, _, _ = build(tiny_bin, TINY)
+    assert type(model.encoder.layers[0].final_layer_norm) in PLACEHOLDER_CLASSES
+    model, _, _ = build(tiny_bin, TINY, "--rmsnorm", "--norm-types-per-layer", "enc.0.ffn=layernorm")
+    assert type(model.encoder.layers[0].final_layer_norm) in PLACEHOLDER_CLASSES
+    assert type(model.encoder.layers[1].final_layer_norm) not in PLACEHOLDER_CLASSES
+
+
+def test_a_norm_type_that_builds_a_plain_layernorm_is_no_placeholder(tiny_bin, monkeypatch):
+    """A norm install_norms built is never refused, whatever its class (an extension's norm
+    type may build torch's LayerNorm)."""
+    monkeypatch.setattr(norm_placement, "build_norm", lambda site, dim, slot: nn.LayerNorm(dim))
+    model, _, _ = build(tiny_bin, TINY, "--rmsnorm")
+    assert type(model.decoder.layers[1].final_layer_norm) is nn.LayerNorm

@@ -8,7 +8,8 @@ outputs; a stock checkpoint loads). The plugin only acts through small build hoo
 vocabulary mask), and, after the stock build, norm replacement (``install_norms``) and
 re-initialisation, the output bias, then the later designs (docs/beyond.md): DeepNorm's
 init, residual scaling through each layer's ``residual_connection`` hook, QKNorm's q/k
-projections and the learnable embedding scale.
+projections and the learnable embedding scale; last, a check that no norm slot still holds
+a placeholder (``refuse_placeholders``, models/norm_placement.py).
 
 ``--norm-placement`` and its modifiers are built where fairseq builds layers: ``build_encoder``
 / ``build_decoder`` give the stacks the resolved :class:`LayerPlan`, and the stacks'
@@ -40,7 +41,7 @@ from fairseq_normplug.extensions import load_command_line_extensions
 from fairseq_normplug.fairseq_parsing import one_line_errors, parse_in_progress
 from fairseq_normplug.models.args_writer import write_resolved
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
-from fairseq_normplug.models.norm_placement import install_norms, named_norms
+from fairseq_normplug.models.norm_placement import install_norms, named_norms, refuse_placeholders
 from fairseq_normplug.models.normplug_args import add_normplug_args
 from fairseq_normplug.models.normplug_config import check_model_setting_names, resolved_config
 from fairseq_normplug.models.placements.layers import LayerPlan, PlacedDecoder, PlacedEncoder
@@ -169,7 +170,7 @@ class TransformerNormplugModel(TransformerModel):
         # DictConfig from hydra would lose the plugin's keys in TransformerConfig.from_namespace)
         model = cls.build_fairseq_model(resolved_config(args), task,
                                         layer_plan=None if layer_plan.is_stock else layer_plan)
-        install_norms(model, args)
+        installed_norms = install_norms(model, args)
         apply_model_init(model, settings.weight_init)
         if output.output_bias:
             add_output_bias(model.decoder)
@@ -191,6 +192,7 @@ class TransformerNormplugModel(TransformerModel):
                                              settings.norm_stats_interval)
         model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         model.normplug_config = config
+        refuse_placeholders(model, args, installed_norms)  # a slot install_norms never filled: one line
         return model
 
     @classmethod
