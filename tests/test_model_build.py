@@ -18,7 +18,7 @@ from fairseq_normplug.models.placements import PLACEMENTS, Placement, new_norm, 
 from fairseq_normplug.models.placements.layers import PlacedDecoder, PlacedEncoder
 from fairseq_normplug.models.transformer_normplug import REPLICATED_FAIRSEQ_BUILD
 from fairseq_normplug.modules.norm_registry import FFN
-from model_helpers import build
+from model_helpers import assert_same_model, build
 
 TINY = "transformer_normplug_tiny"
 
@@ -38,6 +38,49 @@ def test_replicated_fairseq_build_is_unchanged():
         f"(compared: {', '.join(REPLICATED_FAIRSEQ_BUILD)})")
     recorded = REPLICATED_FAIRSEQ_BUILD[fairseq.__version__]
     assert {name: source_digest(fairseq_function(name)) for name in recorded} == recorded
+
+
+SMALL = ["--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "48", "--encoder-layers", "3",
+         "--decoder-layers", "2", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+
+
+@pytest.mark.parametrize("flags", [
+    [],
+    ["--merge-src-tgt-embed"],
+    ["--checkpoint-activations"],
+    ["--offload-activations", "--share-decoder-input-output-embed"],
+], ids=["plain", "merge-src-tgt-embed", "checkpoint-activations", "offload-activations"])
+def test_the_replica_builds_what_fairseqs_build_model_builds(tiny_bin, flags):
+    """Every branch of fairseq's build_model that the replica copies, flags off: the same model
+    as fairseq's own ``transformer`` (parameters, module types, output)."""
+    ours, task, _ = build(tiny_bin, "transformer_normplug", *SMALL, *flags, seed=3)
+    stock, _, _ = build(tiny_bin, "transformer", *SMALL, *flags, seed=3)
+    assert_same_model(ours, stock, task)
+    assert built_settings(ours) == built_settings(stock)
+    assert layer_wrapping(ours) == layer_wrapping(stock)
+    if flags[:1] == ["--offload-activations"]:
+        assert set(layer_wrapping(ours)) == {True}  # offloaded: every layer's forward checkpointed, to the CPU
+
+
+def built_settings(model):
+    """The settings fairseq's build_model decides on the model's TransformerConfig."""
+    cfg = model.cfg
+    return (cfg.checkpoint_activations, cfg.offload_activations, cfg.min_params_to_wrap,
+            cfg.share_decoder_input_output_embed, cfg.encoder.layers, cfg.decoder.layers)
+
+
+def layer_wrapping(model):
+    """Per layer, fairseq's checkpoint_wrapper: None (not wrapped) or its offload_to_cpu."""
+    return [layer.forward.args[1] if hasattr(layer, "precheckpoint_forward") else None
+            for stack in (model.encoder, model.decoder) for layer in stack.layers]
+
+
+def test_layers_to_keep_fails_as_in_fairseq(tiny_bin):
+    """fairseq's parser makes ``--encoder-layers-to-keep`` a list, which its build_model then
+    ``split``s: the stock model fails, and the replica fails the same way."""
+    for arch in ("transformer", "transformer_normplug"):
+        with pytest.raises(AttributeError, match="'list' object has no attribute 'split'"):
+            build(tiny_bin, arch, *SMALL, "--encoder-layers-to-keep", "0,2")
 
 
 def test_no_build_state_outside_the_call():

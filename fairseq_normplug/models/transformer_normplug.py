@@ -64,6 +64,10 @@ PAD_LOGIT_MARGIN = 30.0
 #: fairseq release, {function: fairseq_patches.source_digest of its source} as read when the replica
 #: was written (tests/test_model_build.py fails when fairseq's code differs: compare, then record)
 REPLICATED_FAIRSEQ_BUILD: Dict[str, Dict[str, str]] = {
+    "0.12.2": {  # read from fairseq's v0.12.2 tag: no --merge-src-tgt-embed branch in the base level
+        "fairseq.models.transformer.transformer_legacy.TransformerModel.build_model": "7631bf5a7b0f0ec6",
+        "fairseq.models.transformer.transformer_base.TransformerModelBase.build_model": "652bc8362333172c",
+    },
     "0.12.3.1": {
         "fairseq.models.transformer.transformer_legacy.TransformerModel.build_model": "7631bf5a7b0f0ec6",
         "fairseq.models.transformer.transformer_base.TransformerModelBase.build_model": "7476f471491104fd",
@@ -253,7 +257,7 @@ class TransformerNormplugModel(TransformerModel):
                                                        config.encoder.embed_path)
             decoder_embed_tokens = encoder_embed_tokens
             config.share_decoder_input_output_embed = True
-        elif config.merge_src_tgt_embed:
+        elif getattr(config, "merge_src_tgt_embed", False):  # fairseq 0.12.3's; 0.12.2 has no such field
             logger.info(f"source dict size: {len(src_dict)}")
             logger.info(f"target dict size: {len(tgt_dict)}")
             src_dict.update(tgt_dict)
