@@ -10,8 +10,8 @@ diagnostics of a checkpoint, :func:`built_config`) asks it, never the raw flags 
 
 The model is built from the older forms (``args`` completed in place, by
 :mod:`~fairseq_normplug.models.args_writer` only; ``NormplugSettings``, the
-``TransformerNormplugConfig`` of the build hooks and the ``LayerPlan`` they get through a
-ContextVar); this object is read beside them (docs/extending.md).
+``TransformerNormplugConfig`` of the build hooks and the ``LayerPlan`` passed to them); this
+object is read beside them (docs/extending.md).
 """
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple

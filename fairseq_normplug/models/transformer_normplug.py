@@ -8,28 +8,32 @@ outputs; a stock checkpoint loads). The plugin only acts through small build hoo
 vocabulary mask), and, after the stock build, norm replacement (``install_norms``) and
 re-initialisation, the output bias, then the later designs (docs/beyond.md): DeepNorm's
 init, residual scaling through each layer's ``residual_connection`` hook, QKNorm's q/k
-projections and the learnable embedding scale.
+projections and the learnable embedding scale; last, a check that no norm slot still holds
+a placeholder (``refuse_placeholders``, models/norm_placement.py).
 
 ``--norm-placement`` and its modifiers are built where fairseq builds layers: ``build_encoder``
 / ``build_decoder`` give the stacks the resolved :class:`LayerPlan`, and the stacks'
 ``build_encoder_layer`` / ``build_decoder_layer`` hooks build each layer from it
-(``models/placements/layers.py``). fairseq's build chain hands those classmethods only its
-``TransformerConfig`` (which, from a hydra DictConfig, keeps none of the plugin's fields), so
-the plan resolved in :meth:`TransformerNormplugModel.build_model` travels beside it in
-:data:`BUILDING_LAYER_PLAN`, a ContextVar set for the duration of that one call.
+(``models/placements/layers.py``). The plan is an argument: :meth:`TransformerNormplugModel.
+build_fairseq_model` is fairseq's own ``build_model`` (the two levels, legacy and base, line for
+line; a test fails when fairseq's code of them changes) whose calls of ``build_encoder`` /
+``build_decoder`` pass the plan along. No build state lives outside the call.
 
 ``build_model`` resolves the flags once (``models/resolved_config.py``: :func:`resolve`) and keeps
 the frozen result on the model as ``model.normplug_config``, which readers of a built or loaded
 model ask instead of the raw flags.
 """
-from contextvars import ContextVar
-from typing import Optional
+import logging
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from fairseq.models import register_model
-from fairseq.models.transformer import TransformerModel
+from fairseq.models.transformer import TransformerConfig, TransformerModel
+from fairseq.models.transformer.transformer_config import (
+    DEFAULT_MAX_SOURCE_POSITIONS, DEFAULT_MAX_TARGET_POSITIONS, DEFAULT_MIN_PARAMS_TO_WRAP)
+from fairseq.models.transformer.transformer_legacy import base_architecture
 from omegaconf import OmegaConf
 
 from fairseq_normplug.errors import NormplugError, exit_with_one_line, in_hydra_job
@@ -37,7 +41,7 @@ from fairseq_normplug.extensions import load_command_line_extensions
 from fairseq_normplug.fairseq_parsing import one_line_errors, parse_in_progress
 from fairseq_normplug.models.args_writer import write_resolved
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
-from fairseq_normplug.models.norm_placement import install_norms, named_norms
+from fairseq_normplug.models.norm_placement import install_norms, named_norms, refuse_placeholders
 from fairseq_normplug.models.normplug_args import add_normplug_args
 from fairseq_normplug.models.normplug_config import check_model_setting_names, resolved_config
 from fairseq_normplug.models.placements.layers import LayerPlan, PlacedDecoder, PlacedEncoder
@@ -56,8 +60,21 @@ from fairseq_normplug.optim.norm_weight_decay import mark_norm_parameters
 #: ~e^-30 of the least likely word, so pad is never predicted, while label smoothing
 #: (which sums log-probabilities over the whole vocabulary) stays finite
 PAD_LOGIT_MARGIN = 30.0
-#: the layer plan of the model being built (None: fairseq's own stacks), see the module docstring
-BUILDING_LAYER_PLAN: ContextVar[Optional[LayerPlan]] = ContextVar("BUILDING_LAYER_PLAN", default=None)
+#: fairseq's functions that :meth:`TransformerNormplugModel.build_fairseq_model` replicates: per
+#: fairseq release, {function: fairseq_patches.source_digest of its source} as read when the replica
+#: was written (tests/test_model_build.py fails when fairseq's code differs: compare, then record)
+REPLICATED_FAIRSEQ_BUILD: Dict[str, Dict[str, str]] = {
+    "0.12.2": {  # read from fairseq's v0.12.2 tag: no --merge-src-tgt-embed branch in the base level
+        "fairseq.models.transformer.transformer_legacy.TransformerModel.build_model": "7631bf5a7b0f0ec6",
+        "fairseq.models.transformer.transformer_base.TransformerModelBase.build_model": "652bc8362333172c",
+    },
+    "0.12.3.1": {
+        "fairseq.models.transformer.transformer_legacy.TransformerModel.build_model": "7631bf5a7b0f0ec6",
+        "fairseq.models.transformer.transformer_base.TransformerModelBase.build_model": "7476f471491104fd",
+    },
+}
+
+logger = logging.getLogger(__name__)
 
 
 def mask_padding_logit(logits: torch.Tensor, padding_idx: int) -> torch.Tensor:
@@ -153,14 +170,11 @@ class TransformerNormplugModel(TransformerModel):
         g0 = resolve_g0(args, task) if beyond.qknorm else None  # before the (slow) build
         allowed = build_allowed_types(args, task) if output.target_vocab_mask else None
         layer_plan = settings.layer_plan
-        building = BUILDING_LAYER_PLAN.set(None if layer_plan.is_stock else layer_plan)
-        try:
-            # every build hook reads the resolved flags from this one TransformerNormplugConfig (a
-            # DictConfig from hydra would lose the plugin's keys in TransformerConfig.from_namespace)
-            model = super().build_model(resolved_config(args), task)  # layers: build_encoder / build_decoder
-        finally:
-            BUILDING_LAYER_PLAN.reset(building)
-        install_norms(model, args)
+        # every build hook reads the resolved flags from this one TransformerNormplugConfig (a
+        # DictConfig from hydra would lose the plugin's keys in TransformerConfig.from_namespace)
+        model = cls.build_fairseq_model(resolved_config(args), task,
+                                        layer_plan=None if layer_plan.is_stock else layer_plan)
+        installed_norms = install_norms(model, args)
         apply_model_init(model, settings.weight_init)
         if output.output_bias:
             add_output_bias(model.decoder)
@@ -182,7 +196,88 @@ class TransformerNormplugModel(TransformerModel):
                                              settings.norm_stats_interval)
         model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         model.normplug_config = config
+        refuse_placeholders(model, args, installed_norms)  # a slot install_norms never filled: one line
         return model
+
+    @classmethod
+    def build_fairseq_model(cls, config, task, layer_plan: Optional[LayerPlan]):
+        """fairseq's ``TransformerModel.build_model`` (transformer_legacy.py) followed by the
+        ``TransformerModelBase.build_model`` it calls (transformer_base.py), replicated line for
+        line (fairseq's sources recorded in :data:`REPLICATED_FAIRSEQ_BUILD`), except that
+        ``build_encoder`` / ``build_decoder`` also get ``layer_plan`` (None: fairseq's own stacks).
+        The per-layer checkpoint-activations / offload and FSDP wrapping stay in the stacks'
+        ``build_*_layer`` (fairseq's, or ``LayerPlan.build_layer``), as in fairseq.
+
+        ``config`` is the build's TransformerNormplugConfig (``resolved_config(args)``, a copy): the
+        writes below are fairseq's own, to that copy, as when fairseq's build_model ran them; one
+        name for both levels, since fairseq's ``from_namespace`` returns that object itself."""
+        # -- fairseq TransformerModel.build_model (the legacy, argparse-namespace level)
+        base_architecture(config)  # make sure all arguments are present in older models
+        if config.encoder_layers_to_keep:
+            config.encoder_layers = len(config.encoder_layers_to_keep.split(","))
+        if config.decoder_layers_to_keep:
+            config.decoder_layers = len(config.decoder_layers_to_keep.split(","))
+        if getattr(config, "max_source_positions", None) is None:
+            config.max_source_positions = DEFAULT_MAX_SOURCE_POSITIONS
+        if getattr(config, "max_target_positions", None) is None:
+            config.max_target_positions = DEFAULT_MAX_TARGET_POSITIONS
+        src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+        if config.share_all_embeddings:
+            if src_dict != tgt_dict:
+                raise ValueError("--share-all-embeddings requires a joined dictionary")
+            if config.encoder_embed_dim != config.decoder_embed_dim:
+                raise ValueError(
+                    "--share-all-embeddings requires --encoder-embed-dim to match --decoder-embed-dim")
+            if config.decoder_embed_path and (config.decoder_embed_path != config.encoder_embed_path):
+                raise ValueError("--share-all-embeddings not compatible with --decoder-embed-path")
+            config.share_decoder_input_output_embed = True
+        if getattr(config, "offload_activations", False):
+            config.checkpoint_activations = True  # offloading implies checkpointing
+        if not config.share_all_embeddings:
+            config.min_params_to_wrap = getattr(config, "min_params_to_wrap", DEFAULT_MIN_PARAMS_TO_WRAP)
+        config = TransformerConfig.from_namespace(config)  # a TransformerNormplugConfig: returned itself
+
+        # -- fairseq TransformerModelBase.build_model (the TransformerConfig level)
+        config.decoder.input_dim = int(config.decoder.input_dim)  # fairseq's T96535332 (OmegaConf and argparse)
+        config.decoder.output_dim = int(config.decoder.output_dim)
+        if config.encoder.layers_to_keep:
+            config.encoder.layers = len(config.encoder.layers_to_keep.split(","))
+        if config.decoder.layers_to_keep:
+            config.decoder.layers = len(config.decoder.layers_to_keep.split(","))
+        src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+        if config.share_all_embeddings:
+            if src_dict != tgt_dict:
+                raise ValueError("--share-all-embeddings requires a joined dictionary")
+            if config.encoder.embed_dim != config.decoder.embed_dim:
+                raise ValueError(
+                    "--share-all-embeddings requires --encoder-embed-dim to match --decoder-embed-dim")
+            if config.decoder.embed_path and (config.decoder.embed_path != config.encoder.embed_path):
+                raise ValueError("--share-all-embeddings not compatible with --decoder-embed-path")
+            encoder_embed_tokens = cls.build_embedding(config, src_dict, config.encoder.embed_dim,
+                                                       config.encoder.embed_path)
+            decoder_embed_tokens = encoder_embed_tokens
+            config.share_decoder_input_output_embed = True
+        elif getattr(config, "merge_src_tgt_embed", False):  # fairseq 0.12.3's; 0.12.2 has no such field
+            logger.info(f"source dict size: {len(src_dict)}")
+            logger.info(f"target dict size: {len(tgt_dict)}")
+            src_dict.update(tgt_dict)
+            task.src_dict = src_dict
+            task.tgt_dict = src_dict
+            logger.info(f"merged dict size: {len(src_dict)}")
+            encoder_embed_tokens = cls.build_embedding(config, src_dict, config.encoder.embed_dim)
+            decoder_embed_tokens = encoder_embed_tokens
+            config.share_decoder_input_output_embed = True
+        else:
+            encoder_embed_tokens = cls.build_embedding(config, src_dict, config.encoder.embed_dim,
+                                                       config.encoder.embed_path)
+            decoder_embed_tokens = cls.build_embedding(config, tgt_dict, config.decoder.embed_dim,
+                                                       config.decoder.embed_path)
+        if config.offload_activations:
+            config.checkpoint_activations = True  # offloading implies checkpointing
+        # the plugin's one change: the layer plan passed to the two hooks
+        encoder = cls.build_encoder(config, src_dict, encoder_embed_tokens, layer_plan=layer_plan)
+        decoder = cls.build_decoder(config, tgt_dict, decoder_embed_tokens, layer_plan=layer_plan)
+        return cls(config, encoder, decoder)
 
     def load_state_dict(self, state_dict, *args, **kwargs):
         # loaded values (resume, generate) are already initialised: no ``auto`` init
@@ -201,15 +296,16 @@ class TransformerNormplugModel(TransformerModel):
         return FixNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
     @classmethod
-    def build_encoder(cls, cfg, src_dict, embed_tokens):
-        layer_plan = BUILDING_LAYER_PLAN.get()
+    def build_encoder(cls, cfg, src_dict, embed_tokens, layer_plan: Optional[LayerPlan] = None):
+        """fairseq's encoder, or with a ``layer_plan`` the stack that builds its layers."""
         if layer_plan is None:
             return super().build_encoder(cfg, src_dict, embed_tokens)
         return PlacedEncoder(resolved_config(cfg), src_dict, embed_tokens, layer_plan)
 
     @classmethod
-    def build_decoder(cls, cfg, tgt_dict, embed_tokens):
-        layer_plan = BUILDING_LAYER_PLAN.get()
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens, layer_plan: Optional[LayerPlan] = None):
+        """fairseq's decoder, or the one whose output layer FixNorm / the target vocabulary mask
+        changes, or with a ``layer_plan`` the stack that builds its layers."""
         cfg = resolved_config(cfg)
         if cfg.fixnorm:
             decoder_class = FixNormTransformerDecoder
