@@ -32,7 +32,7 @@ def plot_metric_against_depth(grid: Dict[str, Dict[int, dict]], depths: Sequence
     """One line per design through its scored depths; a run without a score (diverged, failed)
     is an x at 0 in the design's colour. Returns {design: {"scored": [(layers, value)],
     "unscored": [(layers, status)]}}."""
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
     drawn = {}
     for index, (design, cells) in enumerate(grid.items()):
@@ -52,7 +52,7 @@ def plot_metric_against_depth(grid: Dict[str, Dict[int, dict]], depths: Sequence
     ax.set(title="Test score against depth (x: diverged or failed)", xlabel="layers per stack (encoder = decoder)",
            ylabel=metric.replace("_", " "))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the lines, not over them
     save_figure(fig, path)
     return drawn
 
@@ -61,7 +61,7 @@ def plot_train_loss(logs: Dict[str, list], layers: int, path: str, designs: Sequ
     """Train loss (fairseq's ``loss`` of train_inner records, base 2) against updates of each
     design at ``layers`` layers, each in its style of ``designs`` (the table's order). Returns
     {design: (updates, losses)}."""
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
     series = {}
     for design, log in logs.items():
@@ -75,7 +75,7 @@ def plot_train_loss(logs: Dict[str, list], layers: int, path: str, designs: Sequ
         raise NormplugError(f"no train_inner loss in the logs of the runs at {layers} layers")
     ax.set(title=f"Train loss at {layers} layers per stack", xlabel="updates", ylabel="train loss (bits per token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the lines, not over them
     save_figure(fig, path)
     return series
 
