@@ -80,6 +80,7 @@ def adopt_kept_runs(runs: List, runs_dir: str, echo: Callable[[str], None] = pri
     row's finished (done or diverged) run in that runs folder, when that run's recorded
     fairseq-train command equals this run's (run folder and data paths aside); returns the
     adopted runs. Only rows at the recipe's depth can match (elsewhere the layer flags differ)."""
+    # imported here: runs and run_commands import configs, which imports this module
     from fairseq_normplug.experiments.run_commands import changed_flags
     from fairseq_normplug.experiments.run_records import read_json
     from fairseq_normplug.experiments.runs import run_folder
