@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import tempfile
 import textwrap
 from argparse import Namespace
 
@@ -30,11 +31,14 @@ TOLERANCE = 1e-6
 
 
 def load_fixture(name):
-    """(model, task, recorded outputs) of fixture ``name``, the model loaded as fairseq loads it."""
+    """(model, task, recorded outputs) of fixture ``name``, the model loaded as fairseq loads it
+    (from the .pt file its text form writes back)."""
     utils.import_user_module(Namespace(user_dir=os.path.join(REPO, "fairseq_normplug")))
-    (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
-        [os.path.join(FIXTURE_DIR, name + ".pt")],
-        arg_overrides={"data": FIXTURE_DIR, "source_lang": "src", "target_lang": "tgt"})
+    with tempfile.TemporaryDirectory() as folder:
+        path = make_fixtures.text_to_checkpoint(os.path.join(FIXTURE_DIR, name + ".checkpoint.json"),
+                                                os.path.join(folder, name + ".pt"))
+        (model,), _, task = checkpoint_utils.load_model_ensemble_and_task(
+            [path], arg_overrides={"data": FIXTURE_DIR, "source_lang": "src", "target_lang": "tgt"})
     with open(os.path.join(FIXTURE_DIR, name + ".json")) as f:
         return model, task, json.load(f)
 
@@ -48,7 +52,7 @@ def assert_close(actual, expected, what):
 
 def test_every_fixture_is_there():
     for name in make_fixtures.FIXTURES:
-        for suffix in (".pt", ".json"):
+        for suffix in (".checkpoint.json", ".json"):
             assert os.path.isfile(os.path.join(FIXTURE_DIR, name + suffix)), name + suffix
     for lang in ("src", "tgt"):
         assert os.path.isfile(os.path.join(FIXTURE_DIR, f"dict.{lang}.txt"))
