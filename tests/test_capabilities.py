@@ -192,7 +192,6 @@ def test_the_check_finds_a_name_comparison(tmp_path):
     ("--prenorm", "prenorm"), ("--encoder-normalize-before --decoder-normalize-before", "prenorm"),
     ("--encoder-normalize-before", "postnorm"),  # fairseq's mixed model: the resolver's post
     ("", "postnorm"), ("--norm-placement sandwich --gpas", "sandwich+gpas"),
-    ("--norm-placement not-loaded-here", "not-loaded-here"),  # an extension's: its own label
 ])
 def test_a_results_rows_placement_is_the_resolvers(flags, label):
     from fairseq_normplug.experiments import tables
@@ -204,6 +203,14 @@ def test_a_results_row_with_contradicting_placement_flags_matches_no_configurati
     from fairseq_normplug.experiments import tables
 
     assert tables.row_configuration("--postnorm --encoder-normalize-before schedule=s") is None
+
+
+def test_a_results_row_of_a_placement_no_loaded_module_defines_has_no_configuration():
+    """A row's configuration is what its model would be built with (resolve_flags): a placement
+    that no module loaded here defines cannot be built, so the row matches no published number."""
+    from fairseq_normplug.experiments import tables
+
+    assert tables.row_configuration("--norm-placement not-loaded-here schedule=s") is None
 
 
 def test_ngpt_needs_fairseqs_own_postnorm_not_the_mixed_model(tiny_bin):

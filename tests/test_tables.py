@@ -304,9 +304,11 @@ def test_row_configuration_reads_the_flags():
     assert set(tables.CONFIGURATION_KEYS) == set(tables.row_configuration("schedule=s"))
     placements = {"--norm-placement pre": "prenorm", "--norm-placement sandwich": "sandwich",
                   "--norm-placement post": "postnorm", "--encoder-normalize-before --decoder-normalize-before": "prenorm",
-                  "--prenorm --normformer": "prenorm+normformer", "--norm-placement mine": "mine"}
+                  "--prenorm --normformer": "prenorm+normformer"}
     for flags, label in placements.items():
         assert tables.row_configuration(f"{flags} schedule=s")["placement"] == label, flags
+    # read as its model would be built: a placement no loaded module defines has no configuration
+    assert tables.row_configuration("--norm-placement mine schedule=s") is None
 
 
 def test_multi_bleu_detok_is_13a_tokenization_of_the_tokenized_lines():
@@ -331,3 +333,16 @@ def test_a_paper_results_file_is_read_as_every_json_config(tmp_path):
     bad.write_text('{"tables": ')
     with pytest.raises(NormplugError, match=f"^{re.escape(str(bad))}: invalid JSON"):
         tables.load_paper_results(str(bad))
+
+
+def test_row_configuration_is_the_rows_resolved_model_configuration():
+    """Read as the row's model is built (resolved_config.resolve_flags): an extension named by
+    its portable path is loaded and its norm type named; flags of components the row does not
+    choose (an optimizer's --weight-decay) are left aside; fairseq's mixed normalize-before model
+    is the resolver's PostNorm."""
+    extension = ("--prenorm --norm-type prmsnorm --normplug-modules "
+                 "$CHECKOUT/examples/normplug_extension/normplug_extension_example schedule=inv_sqrt_decay")
+    assert tables.row_configuration(extension)["norm"] == "prmsnorm"
+    assert tables.row_configuration("--prenorm --weight-decay 0.1 --stop-lr 1e-5 schedule=s")["placement"] == "prenorm"
+    assert tables.row_configuration("--encoder-normalize-before schedule=s")["placement"] == "postnorm"
+    assert tables.row_configuration("--prenorm --smallinit --fixnorm schedule=s")["init"] == "smallinit"

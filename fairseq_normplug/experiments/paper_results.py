@@ -9,11 +9,10 @@ from typing import Dict, List, Optional, Sequence
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.json_config import check_keys, read_json_config
 from fairseq_normplug.flag_lists import parse_flag_list
-from fairseq_normplug.experiments.portable_paths import default_roots, to_portable
+from fairseq_normplug.experiments.portable_paths import default_roots, expanded, to_portable
 from fairseq_normplug.models.norm_types_per_layer import spec_label
-from fairseq_normplug.models.placement_args import placement_name
-from fairseq_normplug.models.placements import MODIFIERS, placement_label
-from fairseq_normplug.modules.norm_registry import NORM_TYPES
+from fairseq_normplug.models.placements import placement_label
+from fairseq_normplug.models.resolved_config import resolve_flags
 from fairseq_normplug.resources import CONFIG_DIR
 
 PAPER_RESULTS_PATH = os.path.join(CONFIG_DIR, "paper_results.json")
@@ -149,49 +148,33 @@ def config_string(flags: Sequence[str], schedule: str) -> str:
     return " ".join([*to_portable(flags, default_roots()), f"schedule={schedule}"])
 
 
-def _parse_flags(tokens: Sequence[str]) -> Dict[str, object]:
-    """{flag: its first value, True for a switch} (flag_lists' rules: the last occurrence wins)."""
-    return {name: values[0] if values else True for name, values in parse_flag_list(tokens).items()}
-
-
-def _row_placement(flags: Dict[str, object]) -> str:
-    """The ``--norm-placement`` a row's flags choose, resolved by ``models/placement_args.py``
-    (``--prenorm`` / ``--postnorm``, fairseq's normalize-before flags); NormplugError for flags
-    that contradict each other."""
-    given = flags.get("--norm-placement")
-    switches = {dest: f"--{dest.replace('_', '-')}" in flags
-                for dest in ("prenorm", "postnorm", "encoder_normalize_before", "decoder_normalize_before")}
-    return placement_name({"norm_placement": given if isinstance(given, str) else None, **switches})
-
-
 def row_configuration(config: Optional[str]) -> Optional[Dict[str, object]]:
     """The attributes of :data:`CONFIGURATION_KEYS` of a :func:`config_string`; None for a
-    ``config`` without ``schedule=`` (not written by the runner: it matches no published number)."""
+    ``config`` without ``schedule=`` (not written by the runner: it matches no published number)
+    or with flags fairseq-train refuses (no run trained them). Norm type, placement, modifiers,
+    FixNorm, QKNorm, init and residual scale are read from the row's resolved configuration
+    (``models/resolved_config.py`` :func:`resolve_flags`), as its model is built."""
     tokens = (config or "").split()
     schedules = [token.split("=", 1)[1] for token in tokens if token.startswith("schedule=")]
     if not schedules:
         return None
-    flags = _parse_flags([token for token in tokens if not token.startswith("schedule=")])
-    norm = flags.get("--norm-type")
-    if norm is None:
-        norm = next((name for name, norm_type in NORM_TYPES.items() if norm_type.shorthand and f"--{name}" in flags),
-                    "layernorm")
-    if isinstance(flags.get("--norm-types-per-layer"), str):
-        norm = f"{norm}+{spec_label(flags['--norm-types-per-layer'])}"
-    init = flags.get("--weight-init") or ("smallinit" if "--smallinit" in flags else "fairseq")
+    flag_tokens = expanded([token for token in tokens if not token.startswith("schedule=")], default_roots())
+    try:
+        resolved = resolve_flags(flag_tokens)
+    except NormplugError:  # contradicting or unknown flags: no run trained them, no published number matches
+        return None
+    flags = {name: values[0] if values else True for name, values in parse_flag_list(flag_tokens).items()}
+    norm = resolved.norm_type
+    if resolved.norm_types_per_layer:
+        norm = f"{norm}+{spec_label(resolved.norm_types_per_layer)}"
     encoder, decoder = flags.get("--encoder-layers"), flags.get("--decoder-layers")
     try:
         stop_lr = float(flags.get("--stop-lr", DEFAULT_STOP_LR))
     except ValueError:
         stop_lr = None
-    try:
-        placement = _row_placement(flags)
-    except NormplugError:  # contradicting flags: no run trained them, no published number matches
-        return None
-    return {"placement": placement_label(placement,
-                                         [name for name in MODIFIERS if f"--{name}" in flags]), "norm": norm,
-            "fixnorm": "--fixnorm" in flags, "qknorm": "--qknorm" in flags, "init": init,
-            "residual_scale": flags.get("--residual-scale", "none"),
+    return {"placement": placement_label(resolved.placement, resolved.modifiers), "norm": norm,
+            "fixnorm": resolved.fixnorm, "qknorm": resolved.qknorm, "init": resolved.weight_init,
+            "residual_scale": resolved.residual_scale,
             "layers": None if encoder is None and decoder is None else f"{encoder or '?'}/{decoder or '?'}",
             "schedule": schedules[-1], "stop_lr": stop_lr}
 

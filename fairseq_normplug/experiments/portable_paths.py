@@ -80,13 +80,19 @@ def to_portable(command: Sequence[str], roots: Dict[str, str]) -> List[str]:
     return [portable_text(item, roots) for item in command]
 
 
-def from_portable(command: Sequence[str], roots: Dict[str, str]) -> List[str]:
-    """The absolute command of a portable one on this machine (``roots``: where each placeholder
-    is here); a bare program name as the first item is found in ``roots[BIN]``."""
+def expanded(items: Sequence[str], roots: Dict[str, str]) -> List[str]:
+    """``items`` (flags, paths) with each placeholder replaced by where it is on this machine
+    (``roots``)."""
     def expand(item: str) -> str:
         return re.sub(r"(?<![\w$])\$(" + "|".join(PLACEHOLDERS) + r")(?![\w])",
                       lambda match: roots.get(match.group(1), match.group(0)), item)
-    out = [expand(item) for item in command]
+    return [expand(item) for item in items]
+
+
+def from_portable(command: Sequence[str], roots: Dict[str, str]) -> List[str]:
+    """The absolute command of a portable one on this machine (``roots``: where each placeholder
+    is here); a bare program name as the first item is found in ``roots[BIN]``."""
+    out = expanded(command, roots)
     if out and roots.get(BIN) and os.sep not in out[0]:
         out[0] = os.path.join(roots[BIN], out[0])
     return out

@@ -13,11 +13,17 @@ The model is built from the older forms (``args`` completed in place, by
 ``TransformerNormplugConfig`` of the build hooks and the ``LayerPlan`` passed to them); this
 object is read beside them (docs/extending.md).
 """
+import contextlib
+import functools
+import io
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Tuple
 
 from torch import nn
 
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.normplug_args import NormplugSettings, resolve_normplug_args
 from fairseq_normplug.models.placements.base import Placement
 
@@ -89,6 +95,42 @@ def resolve(args) -> ResolvedConfig:
         embed_scale=settings.beyond.embed_scale,
         extension_modules=tuple(modules.split(",")) if modules else (),
         settings=settings)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolve_flag_tuple(flags: Tuple[str, ...]) -> ResolvedConfig:
+    from fairseq import options
+
+    import fairseq_normplug
+
+    argv = ["<no data: flags only>", "--task", "translation_normplug", "--arch", "transformer_normplug",
+            "--user-dir", os.path.dirname(fairseq_normplug.__file__), *flags]
+    loggers = [logging.getLogger(name) for name in ("fairseq_normplug", "fairseq.utils")]
+    levels = [logger.level for logger in loggers]
+    errors = io.StringIO()
+    try:
+        for logger in loggers:  # resolving a row's flags is not a run: no "--fixnorm: tying ..." lines
+            logger.setLevel(logging.WARNING)
+        with contextlib.redirect_stderr(errors):
+            args, _ = options.parse_args_and_arch(options.get_training_parser(), argv, parse_known=True)
+        return resolve(args)
+    except SystemExit:
+        lines = [line for line in errors.getvalue().splitlines() if line.strip()]
+        raise NormplugError(lines[-1] if lines else f"fairseq-train refuses the flags {' '.join(flags)}") from None
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def resolve_flags(flags: Sequence[str]) -> ResolvedConfig:
+    """What the model flags among ``flags`` choose, as a model built from them would resolve
+    them: fairseq-train's own parser with the plugin's task and architecture (no data is read, no
+    model built; flags of components ``flags`` does not choose, like an optimizer's
+    ``--weight-decay``, are left aside), then :func:`resolve`. The one reading of a table row's flags (the
+    tables' published-number matching), so a row is labelled as its model is built. A one-line
+    NormplugError for flags fairseq-train or the plugin refuses (argparse's line, or the
+    plugin's refusal)."""
+    return _resolve_flag_tuple(tuple(flags))
 
 
 def built_config(model: nn.Module) -> Optional[ResolvedConfig]:
