@@ -174,18 +174,26 @@ def train_briefly(model, task, updates=40, lr=3e-3, epochs=1, max_tokens=1200):
     task.load_dataset("train")
     iterator = task.get_batch_iterator(task.dataset("train"), max_tokens=max_tokens, seed=1)
     batches = (sample for _ in range(epochs) for sample in iterator.next_epoch_itr(shuffle=True))
+    losses = adam_updates(model, (sample for _, sample in zip(range(updates), batches)), lr,
+                          task.target_dictionary.pad())
+    return losses[0], losses[-1]
+
+
+def adam_updates(model, samples, lr: float, pad: int):
+    """One Adam update (learning rate ``lr``, token cross entropy ignoring ``pad``, dropout on)
+    of ``model`` per sample of ``samples`` (fairseq batches); the losses."""
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     losses = []
-    for _, sample in zip(range(updates), batches):
+    for sample in samples:
         logits, _ = model(**sample["net_input"])
         loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), sample["target"].view(-1),
-                                                 ignore_index=task.target_dictionary.pad())
+                                                 ignore_index=pad)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses[0], losses[-1]
+    return losses
 
 
 def save_checkpoint(model, args, path):

@@ -78,28 +78,25 @@ def test_each_layer_is_the_papers_equation(tiny_bin, alpha_flags, encoder_alpha,
     enc = torch.randn(7, 3, 64)
     mask = torch.triu(torch.full((5, 5), float("-inf")), 1)
     first_is_keel = bool(first_layer)
+
+    def expected_output(layer, sublayers, alpha, index):
+        """The layer's output by the paper's block, or plain PreNorm for the first layer under
+        the first-layer rule (no alpha, no post-norms)."""
+        if index == 0 and not first_is_keel:
+            assert layer.keel_alpha is None
+            assert all(post_norm is None for post_norm, _, _ in sublayers)
+            return prenorm_block(x, [(sublayer, input_norm) for _, sublayer, input_norm in sublayers])
+        assert layer.keel_alpha == alpha
+        return paper_block(x, alpha, sublayers)
+
     with torch.no_grad():
         for index in (0, 1):
             layer = model.encoder.layers[index]
-            sublayers = encoder_sublayers(layer)
-            if index == 0 and not first_is_keel:
-                assert layer.keel_alpha is None
-                assert all(post_norm is None for post_norm, _, _ in sublayers)
-                expected = prenorm_block(x, [(sublayer, input_norm) for _, sublayer, input_norm in sublayers])
-            else:
-                assert layer.keel_alpha == encoder_alpha
-                expected = paper_block(x, encoder_alpha, sublayers)
+            expected = expected_output(layer, encoder_sublayers(layer), encoder_alpha, index)
             assert torch.allclose(layer(x, None), expected, atol=1e-5), index
 
             layer = model.decoder.layers[index]
-            sublayers = decoder_sublayers(layer, mask, enc)
-            if index == 0 and not first_is_keel:
-                assert layer.keel_alpha is None
-                assert all(post_norm is None for post_norm, _, _ in sublayers)
-                expected = prenorm_block(x, [(sublayer, input_norm) for _, sublayer, input_norm in sublayers])
-            else:
-                assert layer.keel_alpha == decoder_alpha
-                expected = paper_block(x, decoder_alpha, sublayers)
+            expected = expected_output(layer, decoder_sublayers(layer, mask, enc), decoder_alpha, index)
             assert torch.allclose(layer(x, enc, None, self_attn_mask=mask)[0], expected, atol=1e-5), index
     # the stacks end with LN_1 of their last sublayer: no extra final norm
     assert model.encoder.layer_norm is None and model.decoder.layer_norm is None
