@@ -37,7 +37,7 @@ without ``--no-decoder-final-norm``; else the last decoder layer's ``final_layer
 ``build_stack`` could change it) and refuses an ``--norm-types-per-layer`` entry that selects no
 norm of the model; ``norm_placement.refuse_placeholders`` then refuses a slot left with a placeholder.
 """
-from typing import Dict, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from fairseq.modules import LayerNorm
 from torch import nn
@@ -60,8 +60,8 @@ class NormFactory:
         self.entries = parse_norm_types_per_layer(config.norm_types_per_layer)
         self.zero_centered_gamma = bool(getattr(args, "zero_centered_gamma", False))
         self.built_ids: Set[int] = set()
-        #: the slot (short name) built as the one that feeds the output layer
-        self.output_norm_name: Optional[str] = None
+        #: the slots (short names) built as the one that feeds the output layer (one, in a sound build)
+        self.output_norm_names: List[str] = []
 
     @property
     def keeps_every_built_norm(self) -> bool:
@@ -81,8 +81,8 @@ class NormFactory:
 
     def norm(self, name: str, role: str, dim: int, feeds_output: bool = False) -> Optional[nn.Module]:
         """The module of slot ``name`` (role, width ``dim``), or None where it keeps fairseq's LayerNorm."""
-        if feeds_output:
-            self.output_norm_name = name
+        if feeds_output and name not in self.output_norm_names:
+            self.output_norm_names.append(name)
         site = self.site(name)
         if self.keeps_built_norm(site):
             return None
@@ -99,8 +99,8 @@ class NormFactory:
     def fill(self, owner: nn.Module, attr: str, name: str, role: str, feeds_output: bool) -> None:
         """Replace the placeholder at ``owner.attr`` (slot ``name``) by the slot's norm."""
         old = getattr(owner, attr, None)
-        if old is not None and feeds_output:
-            self.output_norm_name = name
+        if old is not None and feeds_output and name not in self.output_norm_names:
+            self.output_norm_names.append(name)
         if self.is_placeholder(name, old):
             setattr(owner, attr, self.norm(name, role, old.normalized_shape[-1], feeds_output))
 
@@ -130,10 +130,12 @@ class NormFactory:
             return
         feeding = output_norm(model)
         name = next((name for name, norm in norms.items() if norm is feeding and norm is not None), None)
-        if name is not None and name != self.output_norm_name:
-            raise NormplugError(f"the norm feeding the output layer is {name}, but {self.output_norm_name} was "
-                                f"built as that norm: a design's build_stack changed the decoder's final norm "
-                                f"(declare final_norm = True on the design instead)")
+        decided = [norms.get(built) for built in self.output_norm_names]
+        as_built = all(id(norm) not in self.built_ids for norm in (feeding, *decided))  # fairseq's LayerNorms
+        if name is not None and self.output_norm_names != [name] and not as_built:
+            raise NormplugError(f"the norm feeding the output layer is {name}, but the norms built as that norm "
+                                f"are {', '.join(self.output_norm_names) or 'none'}: a design's build_stack changed "
+                                f"the decoder's final norm (declare final_norm = True on the design instead)")
 
 
 class StackNorms:

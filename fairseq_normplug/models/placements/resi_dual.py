@@ -49,7 +49,7 @@ class ResiDual(Placement):
 
     def finish_model(self, model):
         """LN_f of each stack gets the authors' eps 1e-7 when it is a LayerNorm (also the
-        zero-centred one); set here, after ``install_norms`` built the chosen norm type."""
+        zero-centred one); set here, after the norm factory built the chosen norm type."""
         for stack in (model.encoder, model.decoder):
             norm = stack.layers[-1].resi_dual_layer_norm
             if norm_type_of(norm) == "layernorm":
