@@ -119,7 +119,7 @@ class NormFactory:
 
     def check_built_model(self, model: nn.Module) -> None:
         """After the build: refuse an ``--norm-types-per-layer`` entry that selects no norm of
-        ``model``, and a model whose output layer reads another norm than the one built as its."""
+        ``model``, and a model whose output layer reads another norm than the one built for it."""
         norms = named_norms(model)
         used = {norm_choice(self.entries, name) for name in norms}
         unused = [entry.text for entry in self.entries if entry not in used]
@@ -150,6 +150,8 @@ class StackNorms:
         self.final_paths = [path for path, role, _ in self.design_slots if role == FINAL]
         self.design_final_norm = any(design.final_norm for design in designs)
         self.no_final_norm = bool(getattr(cfg, "no_decoder_final_norm", False))
+        #: {path: (role, short name)} of every layer slot the registry knows (``slot_norm``'s lookup)
+        self.slots: Dict[str, Tuple[str, str]] = {path: (role, short) for path, role, short in layer_norm_slots()}
 
     def layer(self, index: int, num_layers: int) -> "LayerNorms":
         return LayerNorms(self, index, num_layers)
@@ -175,12 +177,12 @@ class LayerNorms:
     def __init__(self, stack: StackNorms, index: int, num_layers: int):
         self.stack, self.index, self.num_layers = stack, index, num_layers
         self.last_decoder_layer = stack.decoder and index == num_layers - 1
-        self.slots: Dict[str, Tuple[str, str]] = {path: (role, short) for path, role, short in layer_norm_slots()}
 
     def name(self, short: str) -> str:
         return f"{self.stack.prefix}{self.index}.{short}"
 
-    def feeds_output(self, layer: nn.Module, path: str, role: str) -> bool:
+    def feeds_output(self, layer: nn.Module, path: str) -> bool:
+        """Whether the slot at ``path`` of ``layer`` feeds the output layer (module docstring)."""
         if not self.last_decoder_layer:
             return False
         if self.stack.final_paths:
@@ -190,11 +192,12 @@ class LayerNorms:
     def new(self, layer: nn.Module, path: str, dim: int) -> nn.Module:
         """The norm of the design slot at ``path`` (as its design lists it) of ``layer``, ``dim`` wide:
         the slot's norm type, or fairseq's LayerNorm where the site keeps it."""
-        if path not in self.slots:
+        slots = self.stack.slots
+        if path not in slots:
             raise NormplugError(f"no registered design lists the norm slot {path!r}; list it in the design's "
-                                f"norm_slots (known slots: {', '.join(self.slots)})")
-        role, short = self.slots[path]
-        norm = self.stack.factory.norm(self.name(short), role, dim, self.feeds_output(layer, path, role))
+                                f"norm_slots (known slots: {', '.join(slots)})")
+        role, short = slots[path]
+        norm = self.stack.factory.norm(self.name(short), role, dim, self.feeds_output(layer, path))
         return LayerNorm(dim) if norm is None else norm
 
     def fill(self, layer: nn.Module) -> None:
@@ -208,4 +211,4 @@ class LayerNorms:
             for step in owners:
                 owner = getattr(owner, step, None)
             if owner is not None:
-                self.stack.factory.fill(owner, attr, self.name(short), role, self.feeds_output(layer, path, role))
+                self.stack.factory.fill(owner, attr, self.name(short), role, self.feeds_output(layer, path))
