@@ -30,7 +30,7 @@ from fairseq_normplug import criterions  # noqa: E402,F401  (registers masked_la
 from fairseq_normplug.modules.norm_base import FormulaNorm  # noqa: E402
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL, register_norm  # noqa: E402
 from fairseq_normplug.models.placements import (  # noqa: E402
-    SUBLAYER_NORMS, Modifier, Placement, new_norm, register_modifier, register_placement,
+    SUBLAYER_NORMS, Modifier, Placement, new_norm, register_modifier, register_placement, slot_norm,
 )
 # helpers the built-in designs use, for extensions too: float32 scalars and statistics under
 # fp16/bf16, a parameter-free norm, a flag's spelling, a numeric flag's range, a sum over the data-parallel ranks
@@ -50,7 +50,7 @@ from fairseq_normplug.extensions import load_startup_extensions  # noqa: E402
 load_startup_extensions()
 
 __all__ = ["NormplugError", "FormulaNorm", "register_norm", "Placement", "Modifier", "register_placement",
-           "register_modifier", "new_norm", "ATTENTION", "FFN", "FINAL", "SUBLAYER_NORMS", "Float32Params",
+           "register_modifier", "new_norm", "slot_norm", "ATTENTION", "FFN", "FINAL", "SUBLAYER_NORMS", "Float32Params",
            "HALF_DTYPES", "upcast", "IdentityNorm", "sum_over_ranks", "flag", "number_flag", "CAPABILITIES",
            "PRENORM_LIKE", "mix_into"]
 __version__ = "0.1.0"

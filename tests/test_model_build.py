@@ -12,8 +12,9 @@ from torch import nn
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.fairseq_patches import source_digest
-from fairseq_normplug.models import norm_placement, transformer_normplug
-from fairseq_normplug.models.norm_placement import PLACEHOLDER_CLASSES, install_norms
+from fairseq_normplug.models import norm_factory, transformer_normplug
+from fairseq_normplug.models.norm_factory import NormFactory
+from fairseq_normplug.models.norm_placement import PLACEHOLDER_CLASSES
 from fairseq_normplug.models.placements import PLACEMENTS, Placement, new_norm, register_placement
 from fairseq_normplug.models.placements.layers import PlacedDecoder, PlacedEncoder
 from fairseq_normplug.models.transformer_normplug import REPLICATED_FAIRSEQ_BUILD
@@ -102,7 +103,7 @@ def test_flags_off_builds_fairseqs_own_stacks(tiny_bin):
 
 class LateSlot(Placement):
     """A faulty design: it lists the slot ``late_norm`` but fills it only in ``finish_model``,
-    after ``install_norms`` ran, so the slot keeps its placeholder LayerNorm."""
+    after its layer was built, so the slot keeps its placeholder LayerNorm."""
 
     stock_forward = True
     norm_slots = (("late_norm", FFN, "late"),)
@@ -128,15 +129,15 @@ def test_a_design_that_leaves_a_placeholder_is_refused_in_one_line(tiny_bin, lat
     assert "norm type rmsnorm" in message
 
 
-def test_a_slot_install_norms_skipped_is_refused_in_one_line(tiny_bin, monkeypatch):
-    """install_norms leaving fairseq's own encoder FFN norm of layer 0 as built."""
-    def skipping_one_slot(model, args):
-        as_built = model.encoder.layers[0].final_layer_norm
-        installed = install_norms(model, args)
-        model.encoder.layers[0].final_layer_norm = as_built
-        return installed
+def test_a_slot_the_norm_factory_skipped_is_refused_in_one_line(tiny_bin, monkeypatch):
+    """The norm factory leaving fairseq's own encoder FFN norm of layer 0 as built."""
+    fill = NormFactory.fill
 
-    monkeypatch.setattr(transformer_normplug, "install_norms", skipping_one_slot)
+    def skipping_one_slot(self, owner, attr, name, role, feeds_output):
+        if name != "enc0.ffn":
+            fill(self, owner, attr, name, role, feeds_output)
+
+    monkeypatch.setattr(NormFactory, "fill", skipping_one_slot)
     with pytest.raises(NormplugError, match=r"^the built model still holds a placeholder LayerNorm at "
                                             r"encoder\.layers\.0\.final_layer_norm \(enc0\.ffn\)[^\n]*$"):
         build(tiny_bin, TINY, "--scalenorm")
@@ -153,8 +154,8 @@ def test_fairseqs_layernorm_is_no_placeholder_where_layernorm_is_asked(tiny_bin)
 
 
 def test_a_norm_type_that_builds_a_plain_layernorm_is_no_placeholder(tiny_bin, monkeypatch):
-    """A norm install_norms built is never refused, whatever its class (an extension's norm
+    """A norm the norm factory built is never refused, whatever its class (an extension's norm
     type may build torch's LayerNorm)."""
-    monkeypatch.setattr(norm_placement, "build_norm", lambda site, dim, slot: nn.LayerNorm(dim))
+    monkeypatch.setattr(norm_factory, "build_norm", lambda site, dim, slot: nn.LayerNorm(dim))
     model, _, _ = build(tiny_bin, TINY, "--rmsnorm")
     assert type(model.decoder.layers[1].final_layer_norm) is nn.LayerNorm

@@ -1,5 +1,5 @@
 """Issue 59's ``--norm-types-per-layer SPEC`` (models/norm_types_per_layer.py, built per slot by
-``install_norms``): built through fairseq's parser on the tiny preset, each norm of the type
+the norm factory, models/norm_factory.py): built through fairseq's parser on the tiny preset, each norm of the type
 (and scale init) the spec names, finite, incremental decoding equal to the full forward, every
 parameter trained, every placement, recorded in the checkpoint and in the tables' labels, and a
 malformed SPEC refused in one line naming the bad part, before any data is read."""

@@ -23,8 +23,9 @@ Example: ``enc.0-1=layernorm,enc.2-5=dyt,dec.*=rmsnorm,dec.*.attn=dyt:0.8``.
 
 The spec is parsed and checked when the arguments are resolved (before any data is read); a
 malformed one is one :class:`NormplugError` line naming the bad part (stack, layer range, a
-layer the stack does not have, site, norm type with the valid ones, init). ``install_norms``
-(``models/norm_placement.py``) builds each norm from it, per slot.
+layer the stack does not have, site, norm type with the valid ones, init). The build's norm
+factory (``models/norm_factory.py``) builds each norm from it, per slot, where the slot's layer or
+stack is built; an entry that selects no norm of the built model is refused right after the build.
 """
 import re
 from dataclasses import dataclass

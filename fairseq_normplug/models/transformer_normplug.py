@@ -4,12 +4,18 @@
 It subclasses the stock ``transformer`` model, so every stock flag keeps working, and with
 every plugin flag off it *is* the stock model (same modules, parameter names, init and
 outputs; a stock checkpoint loads). The plugin only acts through small build hooks:
-``build_embedding`` (FixNorm rows), ``build_decoder`` (FixNorm output layer, the target
-vocabulary mask), and, after the stock build, norm replacement (``install_norms``) and
+``build_embedding`` (FixNorm rows), ``build_encoder`` / ``build_decoder`` (the layer plan and the
+norm factory, FixNorm's output layer, the target vocabulary mask), and, after the stock build,
 re-initialisation, the output bias, then the later designs (docs/beyond.md): DeepNorm's
 init, residual scaling through each layer's ``residual_connection`` hook, QKNorm's q/k
 projections and the learnable embedding scale; last, a check that no norm slot still holds
 a placeholder (``refuse_placeholders``, models/norm_placement.py).
+
+The norms are built, not patched: :class:`~fairseq_normplug.models.norm_factory.NormFactory`, made
+once per build from the resolved configuration, goes down the build hooks with the layer plan,
+and every norm slot gets its module where its layer or stack is built (models/norm_factory.py
+says where: a design's slots through ``slot_norm``, fairseq's inline-built stock attributes
+filled by attribute as their layer or stack is built, the only attribute-path replacement).
 
 ``--norm-placement`` and its modifiers are built where fairseq builds layers: ``build_encoder``
 / ``build_decoder`` give the stacks the resolved :class:`LayerPlan`, and the stacks'
@@ -17,7 +23,7 @@ a placeholder (``refuse_placeholders``, models/norm_placement.py).
 (``models/placements/layers.py``). The plan is an argument: :meth:`TransformerNormplugModel.
 build_fairseq_model` is fairseq's own ``build_model`` (the two levels, legacy and base, line for
 line; a test fails when fairseq's code of them changes) whose calls of ``build_encoder`` /
-``build_decoder`` pass the plan along. No build state lives outside the call.
+``build_decoder`` pass the plan and the norm factory along. No build state lives outside the call.
 
 ``build_model`` resolves the flags once (``models/resolved_config.py``: :func:`resolve`) and keeps
 the frozen result on the model as ``model.normplug_config``, which readers of a built or loaded
@@ -41,7 +47,8 @@ from fairseq_normplug.extensions import load_command_line_extensions
 from fairseq_normplug.fairseq_parsing import one_line_errors, parse_in_progress
 from fairseq_normplug.models.args_writer import write_resolved
 from fairseq_normplug.models.norm_parameters import norm_parameter_names
-from fairseq_normplug.models.norm_placement import install_norms, named_norms, refuse_placeholders
+from fairseq_normplug.models.norm_factory import NormFactory
+from fairseq_normplug.models.norm_placement import named_norms, refuse_placeholders
 from fairseq_normplug.models.normplug_args import add_normplug_args
 from fairseq_normplug.models.normplug_config import check_model_setting_names, resolved_config
 from fairseq_normplug.models.placements.layers import LayerPlan, PlacedDecoder, PlacedEncoder
@@ -172,9 +179,11 @@ class TransformerNormplugModel(TransformerModel):
         layer_plan = settings.layer_plan
         # every build hook reads the resolved flags from this one TransformerNormplugConfig (a
         # DictConfig from hydra would lose the plugin's keys in TransformerConfig.from_namespace)
+        norm_factory = NormFactory(args, config)  # every norm slot's module, where its layer is built
         model = cls.build_fairseq_model(resolved_config(args), task,
-                                        layer_plan=None if layer_plan.is_stock else layer_plan)
-        installed_norms = install_norms(model, args)
+                                        layer_plan=None if layer_plan.is_stock else layer_plan,
+                                        norm_factory=norm_factory)
+        norm_factory.check_built_model(model)  # an unused --norm-types-per-layer entry: one line
         apply_model_init(model, settings.weight_init)
         if output.output_bias:
             add_output_bias(model.decoder)
@@ -196,15 +205,17 @@ class TransformerNormplugModel(TransformerModel):
                                              settings.norm_stats_interval)
         model.auto_scale_init = AutoScaleInit(named_norms(model), {"enc": model.encoder, "dec": model.decoder})
         model.normplug_config = config
-        refuse_placeholders(model, args, installed_norms)  # a slot install_norms never filled: one line
+        refuse_placeholders(model, norm_factory)  # a slot filled after its layer was built: one line
         return model
 
     @classmethod
-    def build_fairseq_model(cls, config, task, layer_plan: Optional[LayerPlan]):
+    def build_fairseq_model(cls, config, task, layer_plan: Optional[LayerPlan],
+                            norm_factory: Optional[NormFactory] = None):
         """fairseq's ``TransformerModel.build_model`` (transformer_legacy.py) followed by the
         ``TransformerModelBase.build_model`` it calls (transformer_base.py), replicated line for
         line (fairseq's sources recorded in :data:`REPLICATED_FAIRSEQ_BUILD`), except that
-        ``build_encoder`` / ``build_decoder`` also get ``layer_plan`` (None: fairseq's own stacks).
+        ``build_encoder`` / ``build_decoder`` also get ``layer_plan`` (None: fairseq's own stacks) and
+        ``norm_factory`` (None: every norm as fairseq builds it).
         The per-layer checkpoint-activations / offload and FSDP wrapping stay in the stacks'
         ``build_*_layer`` (fairseq's, or ``LayerPlan.build_layer``), as in fairseq.
 
@@ -274,9 +285,11 @@ class TransformerNormplugModel(TransformerModel):
                                                        config.decoder.embed_path)
         if config.offload_activations:
             config.checkpoint_activations = True  # offloading implies checkpointing
-        # the plugin's one change: the layer plan passed to the two hooks
-        encoder = cls.build_encoder(config, src_dict, encoder_embed_tokens, layer_plan=layer_plan)
-        decoder = cls.build_decoder(config, tgt_dict, decoder_embed_tokens, layer_plan=layer_plan)
+        # the plugin's one change: the layer plan and the norm factory passed to the two hooks
+        encoder = cls.build_encoder(config, src_dict, encoder_embed_tokens, layer_plan=layer_plan,
+                                    norm_factory=norm_factory)
+        decoder = cls.build_decoder(config, tgt_dict, decoder_embed_tokens, layer_plan=layer_plan,
+                                    norm_factory=norm_factory)
         return cls(config, encoder, decoder)
 
     def load_state_dict(self, state_dict, *args, **kwargs):
@@ -296,16 +309,23 @@ class TransformerNormplugModel(TransformerModel):
         return FixNormEmbedding(len(dictionary), embed_dim, dictionary.pad())
 
     @classmethod
-    def build_encoder(cls, cfg, src_dict, embed_tokens, layer_plan: Optional[LayerPlan] = None):
-        """fairseq's encoder, or with a ``layer_plan`` the stack that builds its layers."""
+    def build_encoder(cls, cfg, src_dict, embed_tokens, layer_plan: Optional[LayerPlan] = None,
+                      norm_factory: Optional[NormFactory] = None):
+        """fairseq's encoder, or with a ``layer_plan`` the stack that builds its layers; its norms
+        from ``norm_factory`` (fairseq's own stack: its stock norm attributes filled once it is built)."""
         if layer_plan is None:
-            return super().build_encoder(cfg, src_dict, embed_tokens)
-        return PlacedEncoder(resolved_config(cfg), src_dict, embed_tokens, layer_plan)
+            encoder = super().build_encoder(cfg, src_dict, embed_tokens)
+            if norm_factory is not None:
+                norm_factory.fill_fairseq_stack(encoder, resolved_config(cfg), decoder=False)
+            return encoder
+        return PlacedEncoder(resolved_config(cfg), src_dict, embed_tokens, layer_plan, norm_factory=norm_factory)
 
     @classmethod
-    def build_decoder(cls, cfg, tgt_dict, embed_tokens, layer_plan: Optional[LayerPlan] = None):
+    def build_decoder(cls, cfg, tgt_dict, embed_tokens, layer_plan: Optional[LayerPlan] = None,
+                      norm_factory: Optional[NormFactory] = None):
         """fairseq's decoder, or the one whose output layer FixNorm / the target vocabulary mask
-        changes, or with a ``layer_plan`` the stack that builds its layers."""
+        changes, or with a ``layer_plan`` the stack that builds its layers; its norms from
+        ``norm_factory`` (fairseq's own stack: its stock norm attributes filled once it is built)."""
         cfg = resolved_config(cfg)
         if cfg.fixnorm:
             decoder_class = FixNormTransformerDecoder
@@ -314,9 +334,12 @@ class TransformerNormplugModel(TransformerModel):
         elif layer_plan is not None:
             decoder_class = PlacedDecoder
         else:
-            return super().build_decoder(cfg, tgt_dict, embed_tokens)
+            decoder = super().build_decoder(cfg, tgt_dict, embed_tokens)
+            if norm_factory is not None:
+                norm_factory.fill_fairseq_stack(decoder, cfg, decoder=True)
+            return decoder
         return decoder_class(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention,
-                             layer_plan=layer_plan)
+                             layer_plan=layer_plan, norm_factory=norm_factory)
 
     def set_num_updates(self, num_updates):
         super().set_num_updates(num_updates)

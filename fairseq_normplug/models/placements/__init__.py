@@ -17,7 +17,8 @@ from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.flag_lists import parse_flag_list
 from fairseq_normplug.models.placements.base import (MODIFIERS, PLACEMENTS, SUBLAYER_NORMS, LayerDesign, Modifier,
                                                     Placement, layer_norm_slots, new_norm, register_modifier,
-                                                    register_placement, registered_designs, set_final_norm)
+                                                    register_placement, registered_designs, set_final_norm,
+                                                    slot_norm)
 from fairseq_normplug.models.placements import post, pre, sandwich, resi_dual, b2t, mix, hybrid  # noqa: F401,E402
 from fairseq_normplug.models.placements import siamese, output_norm, hyper_connections  # noqa: F401,E402
 from fairseq_normplug.models.placements import normformer, layernorm_scaling, ngpt, gpas  # noqa: F401,E402
@@ -51,5 +52,5 @@ def training_task(model_flags) -> "str | None":
 
 
 __all__ = ["PLACEMENTS", "MODIFIERS", "SUBLAYER_NORMS", "LayerDesign", "Placement", "Modifier", "register_placement",
-           "register_modifier", "registered_designs", "layer_norm_slots", "new_norm", "set_final_norm",
+           "register_modifier", "registered_designs", "layer_norm_slots", "new_norm", "slot_norm", "set_final_norm",
            "placement_label", "training_task"]

@@ -14,9 +14,11 @@ A :class:`Placement` subclass may define (every member is optional):
 * ``norm_slots``: the norms it adds to a layer, ``(path, role, short)``: ``path`` relative to
   the layer (dots for submodules: ``self_attn.q_proj.norm``), ``role`` ATTENTION/FFN/FINAL,
   ``short`` the name it logs under (``enc0.<short>``); listed norms get the chosen
-  ``--norm-type`` (``install_norms``), norm statistics, ``auto`` inits and norm weight decay;
+  ``--norm-type`` (from the build's norm factory, ``models/norm_factory.py``), norm statistics,
+  ``auto`` inits and norm weight decay;
 * ``build_layer(layer, index, num_layers)``: change a freshly built fairseq layer (before
-  fairseq's ``--checkpoint-activations`` / FSDP wrappers): add norms with :func:`new_norm`;
+  fairseq's ``--checkpoint-activations`` / FSDP wrappers): add its norms with
+  :func:`slot_norm` (the slot's final norm, from the norm factory), or :func:`new_norm`;
 * ``final_norm``: True gives every stack PreNorm's final norm (``layer_norm``), or
   ``build_stack(stack)`` for anything else once a stack is built;
 * ``sublayers(layer, x, sublayers)``: the forward wiring. ``sublayers`` is the list
@@ -53,6 +55,9 @@ from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL
 
 Sublayers = Sequence[Tuple[str, Callable[[Tensor], Tensor]]]
 PlacementSlot = Tuple[str, str, str]  # (path relative to the layer, role, short name)
+#: the attribute of a layer being built (``LayerPlan.build_layer``, removed before it is wrapped)
+#: that holds its norm factory (``models/norm_factory.LayerNorms``), read by :func:`slot_norm`
+LAYER_NORM_FACTORY = "normplug_norms"
 
 #: fairseq's own norm of each sublayer, on every layer (PreNorm: before it, PostNorm: after the residual)
 SUBLAYER_NORMS = {"attn": "self_attn_layer_norm", "cross": "encoder_attn_layer_norm", "ffn": "final_layer_norm"}
@@ -63,10 +68,23 @@ STOCK_LAYER_SLOTS: Tuple[PlacementSlot, ...] = (
 )
 
 
+def slot_norm(layer: nn.Module, path: str, dim: Optional[int] = None) -> nn.Module:
+    """The norm of the slot ``path`` (as a design lists it in ``norm_slots``) of ``layer``,
+    ``dim`` wide (default the layer's ``embed_dim``), built by the build's norm factory
+    (``models/norm_factory.py``) while ``layer`` is built, in ``build_layer``: the chosen
+    ``--norm-type`` (or the slot's ``--norm-types-per-layer`` entry), fairseq's LayerNorm where
+    the site keeps it. The design puts it at ``path`` itself. Outside a model build (a layer built
+    by hand) it is a LayerNorm placeholder, as :func:`new_norm`'s."""
+    width = layer.embed_dim if dim is None else dim
+    norms = layer.__dict__.get(LAYER_NORM_FACTORY)
+    return LayerNorm(width) if norms is None else norms.new(layer, path, width)
+
+
 def new_norm(dim: int, role: str) -> nn.Module:
-    """An extra norm, built as fairseq builds its own (a LayerNorm); ``install_norms`` then turns
-    it into the chosen ``--norm-type`` with every other norm of the model (it must be listed in
-    the placement's ``norm_slots``)."""
+    """An extra norm built as fairseq builds its own (a LayerNorm), for a slot listed in the
+    design's ``norm_slots``; where the slot's site asks for another norm type it is a placeholder,
+    which the norm factory builds into the slot's norm when the layer leaves ``build_layer`` (for
+    designs written before :func:`slot_norm`; a placeholder put in place later is refused)."""
     return LayerNorm(dim)
 
 

@@ -20,12 +20,14 @@ removed). Keys and values are normalised inside their projections, so the
 incremental-decoding cache holds normalised keys and values. The authors' HybridNorm*
 (a different first layer) is not built.
 """
+from typing import Optional
+
 import torch.nn.functional as F
 from torch import nn
 
 from fairseq_normplug.modules.norm_registry import ATTENTION
 
-from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
+from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement, slot_norm
 
 ATTENTIONS = (("self_attn", "self_attn_layer_norm", "attn"), ("encoder_attn", "encoder_attn_layer_norm", "cross"))
 PROJECTIONS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"))
@@ -34,14 +36,15 @@ PROJECTIONS = (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"))
 class NormedProjection(nn.Linear):
     """A q/k/v projection followed by a norm over each head's part of its output:
     norm(x W^T + b) per head. Same weight and bias (names and values) as the projection it
-    replaces, plus ``norm`` (d_k wide)."""
+    replaces, plus ``norm`` (d_k wide): the slot's norm built by the norm factory (``slot_norm``),
+    or without one a LayerNorm placeholder (``new_norm``)."""
 
-    def __init__(self, linear: nn.Linear, num_heads: int):
+    def __init__(self, linear: nn.Linear, num_heads: int, norm: Optional[nn.Module] = None):
         # built on the meta device (no random init drawn), then given the projection's own tensors
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         self.weight, self.bias = linear.weight, linear.bias
         self.num_heads = num_heads
-        self.norm = new_norm(linear.out_features // num_heads, ATTENTION)
+        self.norm = new_norm(linear.out_features // num_heads, ATTENTION) if norm is None else norm
 
     def forward(self, x):
         y = F.linear(x, self.weight, self.bias)
@@ -70,7 +73,9 @@ class HybridNorm(Placement):
             if attn is None:
                 continue
             for proj, _ in PROJECTIONS:
-                setattr(attn, proj, NormedProjection(getattr(attn, proj), attn.num_heads))
+                linear = getattr(attn, proj)
+                norm = slot_norm(layer, f"{attn_name}.{proj}.norm", linear.out_features // attn.num_heads)
+                setattr(attn, proj, NormedProjection(linear, attn.num_heads, norm))
             # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read the
             # projection weights directly; this switch makes every call use the modules
             attn._set_skip_embed_dim_check()

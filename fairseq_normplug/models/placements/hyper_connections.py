@@ -35,6 +35,8 @@ incremental decoding and activation checkpointing see an ordinary layer function
 takes part in the streams, so LayerDrop is refused, as are residual scalings and T-Fixup
 (each is defined for one x + F(x) residual).
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,7 +45,7 @@ from fairseq_normplug.modules.float32_params import Float32Params
 from fairseq_normplug.modules.norm_registry import FFN
 from fairseq_normplug.numeric_flags import number_flag
 
-from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
+from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement, slot_norm
 
 #: the expansion rate n of both papers' main models
 DEFAULT_STREAMS = 4
@@ -70,12 +72,13 @@ def sinkhorn_knopp(logits: torch.Tensor, iterations: int = SINKHORN_ITERATIONS) 
 class HyperConnection(Float32Params):
     """The width and depth connections of one sublayer (hyper-connection ``index`` of its stack)
     over ``streams`` residual streams of ``dim`` channels; the mHC constraints with ``manifold``.
-    Its scalar scales stay float32 under fp16/bf16 (:class:`Float32Params`)."""
+    Its scalar scales stay float32 under fp16/bf16 (:class:`Float32Params`). ``norm`` is the slot's
+    norm built by the norm factory (``slot_norm``); without one, a LayerNorm placeholder."""
 
-    def __init__(self, dim: int, streams: int, index: int, manifold: bool):
+    def __init__(self, dim: int, streams: int, index: int, manifold: bool, norm: Optional[nn.Module] = None):
         super().__init__()
         self.streams, self.manifold = streams, manifold
-        self.norm = new_norm(dim, FFN)  # H̄ = norm(H), the input of the dynamic weights
+        self.norm = new_norm(dim, FFN) if norm is None else norm  # H̄ = norm(H), the input of the dynamic weights
         static_alpha = torch.zeros(streams, 1 + streams)
         static_alpha[index % streams, 0] = 1.0  # A_m = e_{k mod n}
         static_alpha[:, 1:] = torch.eye(streams)  # A_r = I
@@ -156,7 +159,8 @@ class HyperConnections(Placement):
     def build_layer(self, layer, index, num_layers):
         kinds = ["attn", "cross", "ffn"] if getattr(layer, "encoder_attn", None) is not None else ["attn", "ffn"]
         layer.hyper_connections = nn.ModuleDict({
-            kind: HyperConnection(layer.embed_dim, self.streams, index * len(kinds) + position, self.manifold)
+            kind: HyperConnection(layer.embed_dim, self.streams, index * len(kinds) + position, self.manifold,
+                                  norm=slot_norm(layer, f"hyper_connections.{kind}.norm"))
             for position, kind in enumerate(kinds)})
         layer.hc_first, layer.hc_last = index == 0, index == num_layers - 1
 

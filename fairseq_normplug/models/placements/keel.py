@@ -35,7 +35,7 @@ and ``--weight-init tfixup`` (derived for single x + F(x) residuals).
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 from fairseq_normplug.numeric_flags import number_flag
 
-from fairseq_normplug.models.placements.base import SUBLAYER_NORMS, Placement, new_norm, register_placement
+from fairseq_normplug.models.placements.base import SUBLAYER_NORMS, Placement, register_placement, slot_norm
 
 #: LN_2 of each sublayer kind: the norm of the sublayer's input
 INPUT_NORMS = {"attn": "keel_attn_input_norm", "cross": "keel_cross_input_norm", "ffn": "keel_ffn_input_norm"}
@@ -75,7 +75,7 @@ class Keel(Placement):
     def build_layer(self, layer, index, num_layers):
         kinds = ["attn", "cross", "ffn"] if getattr(layer, "encoder_attn", None) is not None else ["attn", "ffn"]
         for kind in kinds:
-            setattr(layer, INPUT_NORMS[kind], new_norm(layer.embed_dim, ATTENTION if kind != "ffn" else FFN))
+            setattr(layer, INPUT_NORMS[kind], slot_norm(layer, INPUT_NORMS[kind]))
         layer.keel_alpha = float(self.alpha if self.alpha is not None else num_layers * len(kinds))
         if index == 0 and self.first_layer == "pre":
             layer.keel_alpha = None  # a PreNorm layer: no alpha, and no LN_1

@@ -8,6 +8,12 @@ layer class, the placement's and modifiers' ``build_layer``) and then wrap it ex
 fairseq does (``--checkpoint-activations`` / ``--offload-activations``, FSDP), so the wrapper
 captures the placement's forward; once a stack is built, the designs' ``build_stack`` runs.
 
+The norms are built, not patched: the build's norm factory (``models/norm_factory.py``) comes
+with the plan, and each layer leaves :meth:`LayerPlan.build_layer` with its final norms (the
+designs build theirs with ``slot_norm``; fairseq's own, built inline, are filled before the
+layer is wrapped), each stack's own norms (``layer_norm``, ``layernorm_embedding``) are filled
+once its designs' ``build_stack`` ran.
+
 A placement's layers run :class:`PlacementEncoderLayer` / :class:`PlacementDecoderLayer`:
 fairseq's layer classes whose ``forward`` (same signature and return values) hands the
 sublayers to the placement's ``sublayers``. The sublayers are fairseq's own modules
@@ -24,7 +30,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from torch import Tensor, nn
 
-from fairseq_normplug.models.placements.base import SUBLAYER_NORMS, Modifier, Placement, Sublayers
+from fairseq_normplug.models.placements.base import LAYER_NORM_FACTORY, SUBLAYER_NORMS, Modifier, Placement, Sublayers
 
 
 class PlacementLayer:
@@ -161,8 +167,9 @@ class LayerPlan:
         """Whether the layers run the placement's ``sublayers`` (else fairseq's own forward)."""
         return not self.placement.stock_forward or any(m.sublayer_forward for m in self.modifiers)
 
-    def build_layer(self, cfg, index: int, num_layers: int, decoder: bool, **kwargs) -> nn.Module:
-        """Layer ``index`` of a stack, built, changed by every design, then wrapped as fairseq does."""
+    def build_layer(self, cfg, index: int, num_layers: int, decoder: bool, norms=None, **kwargs) -> nn.Module:
+        """Layer ``index`` of a stack, built, changed by every design, given its norms by ``norms``
+        (the stack's ``norm_factory.StackNorms``; None: as built), then wrapped as fairseq does."""
         if decoder:
             layer_class = PlacementDecoderLayer if self.sublayer_forward else TransformerDecoderLayerBase
         else:
@@ -170,8 +177,15 @@ class LayerPlan:
         layer = layer_class(cfg, **kwargs)
         if self.sublayer_forward:
             layer.placement = self.placement
-        for design in self.designs:
-            design.build_layer(layer, index, num_layers)
+        layer_norms = None if norms is None else norms.layer(index, num_layers)
+        layer.__dict__[LAYER_NORM_FACTORY] = layer_norms  # what slot_norm builds from, during the build only
+        try:
+            for design in self.designs:
+                design.build_layer(layer, index, num_layers)
+        finally:
+            del layer.__dict__[LAYER_NORM_FACTORY]
+        if layer_norms is not None:
+            layer_norms.fill(layer)  # fairseq's own norms, built inline, and new_norm's placeholders
         return wrap_layer(layer, cfg)
 
     def build_stack(self, stack: nn.Module) -> None:
@@ -187,36 +201,50 @@ class LayerPlan:
 
 
 class PlacedEncoder(TransformerEncoderBase):
-    """fairseq's encoder whose ``build_encoder_layer`` builds the layers of ``layer_plan``."""
+    """fairseq's encoder whose ``build_encoder_layer`` builds the layers of ``layer_plan``, their
+    norms from ``norm_factory`` (the build's ``NormFactory``; None: as built)."""
 
-    def __init__(self, cfg, dictionary, embed_tokens, layer_plan: LayerPlan, return_fc=False):
+    def __init__(self, cfg, dictionary, embed_tokens, layer_plan: LayerPlan, return_fc=False, norm_factory=None):
         self.layer_plan = layer_plan
         self.layer_indices = iter(range(cfg.encoder.layers))  # fairseq builds the layers in order
+        norms = None if norm_factory is None else norm_factory.stack(cfg, decoder=False, layer_plan=layer_plan)
+        self.stack_norms = norms
         super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
-        del self.layer_indices
+        del self.layer_indices, self.stack_norms
         layer_plan.build_stack(self)
+        if norms is not None:
+            norms.fill_stack(self)
 
     def build_encoder_layer(self, cfg):
         return self.layer_plan.build_layer(cfg, next(self.layer_indices), cfg.encoder.layers, decoder=False,
-                                           return_fc=self.return_fc)
+                                           norms=self.stack_norms, return_fc=self.return_fc)
 
 
 class PlacedDecoder(TransformerDecoderBase):
-    """fairseq's decoder whose ``build_decoder_layer`` builds the layers of ``layer_plan``
-    (None: fairseq's own layers, for the decoders that only change the output layer)."""
+    """fairseq's decoder whose ``build_decoder_layer`` builds the layers of ``layer_plan`` (None:
+    fairseq's own layers, for the decoders that only change the output layer), their norms from
+    ``norm_factory`` (None: as built)."""
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None,
-                 layer_plan: Optional[LayerPlan] = None):
+                 layer_plan: Optional[LayerPlan] = None, norm_factory=None):
         self.layer_plan = layer_plan
         self.layer_indices = iter(range(cfg.decoder.layers))
+        norms = None if norm_factory is None else norm_factory.stack(cfg, decoder=True, layer_plan=layer_plan)
+        self.stack_norms = norms
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        del self.layer_indices
+        del self.layer_indices, self.stack_norms
         if layer_plan is not None:
             layer_plan.build_stack(self)
+        if norms is not None:
+            norms.fill_stack(self)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        if self.layer_plan is None:
-            return super().build_decoder_layer(cfg, no_encoder_attn)
-        return self.layer_plan.build_layer(cfg, next(self.layer_indices), cfg.decoder.layers, decoder=True,
+        index = next(self.layer_indices)
+        if self.layer_plan is None:  # fairseq's own layer, built and wrapped by fairseq: its norms filled after
+            layer = super().build_decoder_layer(cfg, no_encoder_attn)
+            if self.stack_norms is not None:
+                self.stack_norms.layer(index, cfg.decoder.layers).fill(layer)
+            return layer
+        return self.layer_plan.build_layer(cfg, index, cfg.decoder.layers, decoder=True, norms=self.stack_norms,
                                            no_encoder_attn=no_encoder_attn)

@@ -28,7 +28,7 @@ from torch import nn
 
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 
-from fairseq_normplug.models.placements.base import PRENORM_LIKE, Modifier, flag, new_norm, register_modifier
+from fairseq_normplug.models.placements.base import PRENORM_LIKE, Modifier, flag, register_modifier, slot_norm
 
 
 class HeadScaledProjection(nn.Linear):
@@ -114,8 +114,8 @@ class NormFormer(Modifier):
         return f"--normformer needs the PreNorm placement (--prenorm / --norm-placement pre), got {got}"
 
     def build_layer(self, layer, index, num_layers):
-        _insert_module(layer, "attn_ln", new_norm(layer.embed_dim, ATTENTION), after="self_attn")
-        _insert_module(layer, "ffn_layernorm", new_norm(layer.fc1.out_features, FFN), before="fc1")
+        _insert_module(layer, "attn_ln", slot_norm(layer, "attn_ln"), after="self_attn")
+        _insert_module(layer, "ffn_layernorm", slot_norm(layer, "ffn_layernorm", layer.fc1.out_features), before="fc1")
         attn = layer.self_attn
         attn.out_proj = HeadScaledProjection(attn.out_proj, attn.num_heads)
         # fairseq's fast paths (F.multi_head_attention_forward, xFormers) read

@@ -15,7 +15,7 @@ statistics); fairseq's input norms are removed. OLMo 2's decoder-only model has 
 cross-attention: the decoder's cross-attention gets the same output norm (this project's
 choice). OLMo 2 also normalises q and k (QK-norm): that is ``--qknorm``, separate here.
 """
-from fairseq_normplug.models.placements.base import SUBLAYER_NORMS, Placement, new_norm, register_placement
+from fairseq_normplug.models.placements.base import SUBLAYER_NORMS, Placement, register_placement, slot_norm
 from fairseq_normplug.models.placements.sandwich import OUT_NORMS, Sandwich
 
 
@@ -27,10 +27,9 @@ class OutputNorm(Placement):
     residual_stream = "raw"
 
     def build_layer(self, layer, index, num_layers):
-        roles = {attr: role for attr, role, _ in self.norm_slots}
         for kind, out in OUT_NORMS.items():
             if getattr(layer, SUBLAYER_NORMS[kind], None) is not None:  # the sublayer exists
-                setattr(layer, out, new_norm(layer.embed_dim, roles[out]))
+                setattr(layer, out, slot_norm(layer, out))
                 setattr(layer, SUBLAYER_NORMS[kind], None)
 
     def sublayers(self, layer, x, sublayers):

@@ -24,7 +24,7 @@ import torch
 
 from fairseq_normplug.modules.norm_registry import FINAL, norm_type_of
 
-from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
+from fairseq_normplug.models.placements.base import Placement, register_placement, slot_norm
 
 #: eps of the LayerNorm LN_f of the PreNorm stream (microsoft/ResiDual resi_dual/resi_dual.py:24, :157)
 FINAL_LAYER_NORM_EPS = 1e-7
@@ -45,11 +45,11 @@ class ResiDual(Placement):
     def build_layer(self, layer, index, num_layers):
         layer.resi_dual_first, layer.resi_dual_last = index == 0, index == num_layers - 1
         if layer.resi_dual_last:
-            layer.resi_dual_layer_norm = new_norm(layer.embed_dim, FINAL)
+            layer.resi_dual_layer_norm = slot_norm(layer, "resi_dual_layer_norm")
 
     def finish_model(self, model):
         """LN_f of each stack gets the authors' eps 1e-7 when it is a LayerNorm (also the
-        zero-centred one); set here, after ``install_norms`` built the chosen norm type."""
+        zero-centred one); set here, after the norm factory built the chosen norm type."""
         for stack in (model.encoder, model.decoder):
             norm = stack.layers[-1].resi_dual_layer_norm
             if norm_type_of(norm) == "layernorm":

@@ -12,7 +12,7 @@ Dropout acts on the normalised branch output, before the residual addition.
 """
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 
-from fairseq_normplug.models.placements.base import Placement, new_norm, register_placement
+from fairseq_normplug.models.placements.base import Placement, register_placement, slot_norm
 
 OUT_NORMS = {"attn": "self_attn_out_layer_norm", "cross": "encoder_attn_out_layer_norm",
              "ffn": "final_out_layer_norm"}
@@ -28,9 +28,9 @@ class Sandwich(Placement):
     residual_stream = "raw"
 
     def build_layer(self, layer, index, num_layers):
-        for attr, role, _ in self.norm_slots:
+        for attr, _, _ in self.norm_slots:
             if attr != OUT_NORMS["cross"] or getattr(layer, "encoder_attn", None) is not None:
-                setattr(layer, attr, new_norm(layer.embed_dim, role))
+                setattr(layer, attr, slot_norm(layer, attr))
 
     def sublayers(self, layer, x, sublayers):
         for kind, sublayer in sublayers:

@@ -34,7 +34,7 @@ import torch
 
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN
 
-from fairseq_normplug.models.placements.base import SUBLAYER_NORMS, Placement, new_norm, register_placement
+from fairseq_normplug.models.placements.base import SUBLAYER_NORMS, Placement, register_placement, slot_norm
 
 #: the sublayer kinds and the prefix of their stream norms
 PREFIXES = {"attn": "self_attn", "cross": "encoder_attn", "ffn": "ffn"}
@@ -70,10 +70,10 @@ class SiameseNorm(Placement):
         for kind in PREFIXES:
             if getattr(layer, SUBLAYER_NORMS[kind], None) is not None:  # the sublayer exists
                 for stream in STREAMS:
-                    setattr(layer, stream_norm(kind, stream), new_norm(layer.embed_dim, ROLES[kind]))
+                    setattr(layer, stream_norm(kind, stream), slot_norm(layer, stream_norm(kind, stream)))
         if layer.siamese_last:
-            for attr, role, _ in FINAL_STREAM_NORMS:
-                setattr(layer, attr, new_norm(layer.embed_dim, role))
+            for attr, _, _ in FINAL_STREAM_NORMS:
+                setattr(layer, attr, slot_norm(layer, attr))
 
     def sublayers(self, layer, x, sublayers):
         x, y = (x, x) if layer.siamese_first else x.chunk(2, dim=-1)  # y_0 = x_0
