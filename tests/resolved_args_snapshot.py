@@ -55,19 +55,34 @@ def jsonable(value):
     return repr(value)
 
 
+def extension_fields():
+    """The flags of norm types and layer designs registered from outside the package: another
+    test may have loaded an extension into this process (they stay registered), and every parse
+    then has its flags; they are not the package's resolution."""
+    from fairseq_normplug.models.placements import registered_designs
+    from fairseq_normplug.modules.norm_registry import NORM_TYPES
+
+    norms = [norm.defaults for norm in NORM_TYPES.values() if not norm.source.startswith("fairseq_normplug.")]
+    designs = [design.defaults for design in registered_designs()
+               if not design.__module__.startswith("fairseq_normplug.")]
+    return {dest for defaults in [*norms, *designs] for dest in defaults}
+
+
 def parsed(name):
     """The flag set's args after fairseq-train's parsing (the presets resolve once) and after
     build_model's second resolution."""
     args = parse_args("DATA", ARCH, *FLAG_SETS[name])
     resolve(args)
-    return {key: jsonable(value) for key, value in vars(args).items() if key not in VOLATILE}
+    ignored = {*VOLATILE, *extension_fields()}
+    return {key: jsonable(value) for key, value in vars(args).items() if key not in ignored}
 
 
 def hand_made(name):
     """A hand-made Namespace after one resolution, as ordered (key, value) pairs."""
     args = argparse.Namespace(**NAMESPACES[name])
     resolve(args)
-    return [[key, jsonable(value)] for key, value in vars(args).items()]
+    ignored = extension_fields()
+    return [[key, jsonable(value)] for key, value in vars(args).items() if key not in ignored]
 
 
 def norm_args_fields(name):
@@ -75,7 +90,8 @@ def norm_args_fields(name):
     from fairseq_normplug.modules.norm_registry import norm_args
 
     norm_type, values = NORM_ARGS[name]
-    return [[key, jsonable(value)] for key, value in vars(norm_args(norm_type, **values)).items()]
+    ignored = extension_fields()
+    return [[key, jsonable(value)] for key, value in vars(norm_args(norm_type, **values)).items() if key not in ignored]
 
 
 def snapshot():

@@ -19,7 +19,7 @@ from model_helpers import assert_training_steps_reach_every_parameter, build, to
 
 from fairseq_normplug import Placement, register_placement
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.models.placement_args import built_placement
+from fairseq_normplug.models.resolved_config import resolve
 from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.base import PRENORM_LIKE, missing_capability, placements_with
 
@@ -111,9 +111,10 @@ def test_the_placements_with_a_capability_come_from_the_registry():
     ({"norm_placement": DECLARED}, DECLARED, True),
 ])
 def test_the_placement_of_a_built_model_is_read_from_its_resolved_config(config, name, prenorm_like):
-    for form in (config, Namespace(**config)):
-        placement = built_placement(form)
-        assert placement.name == name and (missing_capability(placement, PRENORM_LIKE) is None) == prenorm_like
+    """A checkpoint's model config (an old one without norm_placement, fairseq's mixed model),
+    resolved as the model is built (resolve): its placement, with its capabilities."""
+    placement = resolve(Namespace(**config)).placement_design
+    assert placement.name == name and (missing_capability(placement, PRENORM_LIKE) is None) == prenorm_like
     assert config["norm_placement"] in (None, name)  # the config itself is not changed
 
 

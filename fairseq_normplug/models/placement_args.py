@@ -6,8 +6,6 @@ read when the flags are added, so extensions loaded before parsing appear) with 
 
 Here: which placement the flags choose, and a design's own flag given without the design.
 Every other refusal belongs to the design concerned (``models/placements/``)."""
-import argparse
-from collections.abc import Mapping
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.args_writer import fill_defaults, write_design_fields, write_resolved
@@ -99,31 +97,3 @@ def resolve_placement_args(args) -> LayerPlan:
             if given:
                 _refuse(f"{flag(given[0])} needs --{name}")
     return LayerPlan(placement, modifiers)
-
-
-def placement_name(model_cfg) -> str:
-    """The ``--norm-placement`` that a model's flags or resolved configuration ``model_cfg``
-    (Namespace, dict or DictConfig: a checkpoint's ``cfg.model``, the args it was built with, a
-    results row's flags) choose, by the resolver's own rules: a resolved ``norm_placement`` is the
-    placement (registered in this process or not); without one, ``--prenorm`` or fairseq's two
-    normalize-before flags are ``pre``, anything else the default ``post`` (an old checkpoint,
-    fairseq's mixed model). ``model_cfg`` is not changed."""
-    args = _placement_fields(model_cfg)
-    return args.norm_placement or _chosen_placement(args)[0]
-
-
-def _placement_fields(model_cfg) -> argparse.Namespace:
-    """A copy of ``model_cfg`` as a Namespace, with every design's defaults filled in."""
-    fields = model_cfg if isinstance(model_cfg, Mapping) or hasattr(model_cfg, "items") else vars(model_cfg)
-    fields = {"prenorm": False, "postnorm": False, **dict(fields.items())}
-    fields.update({name: value for name, value in placement_defaults().items() if fields.get(name) is None})
-    return argparse.Namespace(**fields)
-
-
-def built_placement(model_cfg) -> Placement:
-    """The placement of a built model (:func:`placement_name`), built from its resolved
-    configuration ``model_cfg``; downstream modules (the folds) ask it for capabilities."""
-    name = placement_name(model_cfg)
-    if name not in PLACEMENTS:
-        _refuse(f"unknown --norm-placement {name!r}; choose from {', '.join(PLACEMENTS)}")
-    return PLACEMENTS[name](_placement_fields(model_cfg))
