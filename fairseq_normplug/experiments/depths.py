@@ -136,6 +136,7 @@ def depth_markdown(results: Sequence[dict], table, metric: str = "tokenized_bleu
         lines.append(f"| {design} | " + " | ".join(_cell(cells.get(d), metric) for d in depths) + " |")
     lines.append("")
     lines.append("\u2020 p < 0.05, \u2021 p < 0.01 against the design's baseline at the same depth (p (adj.) of "
-                 "results.md). *diverged*: the run's dev loss became NaN or over twice a uniform guess's "
-                 "(docs/experiments.md); it is a result, drawn as x in the figure. *pending*: not trained yet.")
+                 "results.md). *diverged*: the run's dev loss became NaN, over twice a uniform guess's, or "
+                 "worse than a uniform guess after it had been better (docs/experiments.md); it is a result, "
+                 "drawn as x in the figure. *pending*: not trained yet.")
     return "\n".join(lines) + "\n"
