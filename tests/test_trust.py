@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import REPO, write_configs
-from inprocess import run_fairseq
+from inprocess import forked_commands, run_fairseq
 from test_kill_rerun import KILL_HOOK
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers, ownership, preflight, reproduce, runner
@@ -129,11 +129,14 @@ def run_dir(out, slug):
 
 @pytest.fixture(scope="module")
 def reference(trust):
-    """The two-row table, uninterrupted, by one launcher in this process."""
+    """The two-row table, uninterrupted, by one launcher in this process, its fairseq commands in
+    forked children (tests/inprocess.py's forked_commands); the launchers of the tests below,
+    real processes, must give the same table."""
     root, configs, data = trust
     out = root / "reference"
-    results = reproduce.run_table(load_table("trust", configs), ["src-tgt"], {"src-tgt": data}, str(out / "runs"),
-                                  str(out / "results"), echo=lambda m: None)
+    with forked_commands():
+        results = reproduce.run_table(load_table("trust", configs), ["src-tgt"], {"src-tgt": data},
+                                      str(out / "runs"), str(out / "results"), echo=lambda m: None)
     assert [r["status"] for r in results] == ["ok", "ok"] and not results.failed
     return table_csv(out)
 
@@ -223,6 +226,14 @@ def test_a_killed_owners_run_is_taken_over_and_ends_as_if_uninterrupted(trust, r
 
 
 @pytest.fixture
+def runner_commands_forked():
+    """The runner's fairseq commands in forked children of this process, for a test whose
+    subject is the runner's logic (tests/inprocess.py's forked_commands)."""
+    with forked_commands():
+        yield
+
+
+@pytest.fixture
 def main_of(trust, monkeypatch, capsys):
     """``main(table, *args)``: reproduce.sh of a table of the config folder on the tiny corpus;
     (exit code, stdout lines)."""
@@ -242,7 +253,8 @@ def main_of(trust, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_a_diverging_row_and_an_undecodable_test_sentence(trust, long_test_sentence, main_of):
+def test_a_diverging_row_and_an_undecodable_test_sentence(trust, long_test_sentence, main_of,
+                                                          runner_commands_forked):
     """PostNorm at lr 1 without warmup ends as diverged at its first validation, with the dev
     loss against a uniform guess; a row whose model cannot take the longest test sentence is
     failed, named with its cause and log; the table is written with the good row; exit 1. The
@@ -343,7 +355,8 @@ def test_a_read_only_results_folder_is_found_before_training_and_after_it(trust,
 
 
 @pytest.mark.slow
-def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(trust, reference, main_of):
+def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(trust, reference, main_of,
+                                                                               runner_commands_forked):
     root = trust[0]
     folder = copy_reference_runs(root, "corrupt")
     (folder / "prenorm" / "scores.json").write_text('{"tokenized_bleu": 1')  # cut short
@@ -358,7 +371,8 @@ def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(t
 
 
 @pytest.mark.slow
-def test_a_bad_status_or_scores_field_is_failed_until_the_rerun_repairs_it(trust, reference, main_of):
+def test_a_bad_status_or_scores_field_is_failed_until_the_rerun_repairs_it(trust, reference, main_of,
+                                                                          runner_commands_forked):
     """Issue 50: ``"minutes": "x"`` in a status.json, ``"sacrebleu": "x"`` in a scores.json:
     --collect names both files, fails both runs and writes the table; the re-run trains nothing,
     records the first run done from its checkpoints, decodes the second again, and writes the
