@@ -152,6 +152,21 @@ def start_launcher(trust, out, name, rows=()):
                             env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_HELD_POLL": "0.3"})
 
 
+def launcher_here(trust, out, name, rows=()) -> int:
+    """What ``finish(start_launcher(trust, out, name, rows))`` does, by a launcher in this process
+    whose fairseq commands are forked (tests/inprocess.py's forked_commands): for a re-run whose
+    subject is what the runner does with the runs another launcher left, not its own process.
+    Its console lines go to ``name``.log; returns its exit status."""
+    root, configs, data = trust
+    lines = []
+    with forked_commands():
+        results = reproduce.run_table(load_table("trust", configs), ["src-tgt"], {"src-tgt": data},
+                                      str(root / out / "runs"), str(root / out / f"{name}-results"), list(rows),
+                                      echo=lines.append)
+    (root / f"{name}.log").write_text("".join(line + "\n" for line in lines))
+    return 1 if results.failed else 0
+
+
 def finish(proc, timeout=300):
     try:
         return proc.wait(timeout=timeout)
@@ -218,7 +233,7 @@ def test_a_killed_owners_run_is_taken_over_and_ends_as_if_uninterrupted(trust, r
     holder = ownership.read_holder(os.path.join(folder, ownership.LOCK_NAME))
     assert holder is not None and holder.host == socket.gethostname()
     wait_for(lambda: not ownership.pid_alive(holder.pid))
-    assert finish(start_launcher(trust, "takeover", "taker", rows=["PreNorm"])) == 0
+    assert launcher_here(trust, "takeover", "taker", rows=["PreNorm"]) == 0
     log = (root / "taker.log").read_text()
     assert f"took the run over from host {holder.host} pid {holder.pid}" in log and "its process is gone" in log
     assert "[trust src-tgt | PreNorm] training (resuming)" in log
