@@ -27,7 +27,8 @@ script's ``cli_main`` instead of executing the program, so that it does not star
 and fairseq again (3 of the 4-6 CPU seconds of a tiny training). It is a process all the same:
 its own pid (recorded in the run's lock, signalled, waited for), its stdin, stdout and stderr
 the pipes and files the runner gave it, its environment and working folder, and its exit
-status the command's. Tests whose subject is the runner's logic (what it trains, skips,
+status the command's; torch computes on one thread in it (GNU OpenMP cannot start a pool of
+several in a fork of a process that used one), as the runner's tests ask of their runs. Tests whose subject is the runner's logic (what it trains, skips,
 resumes, records and scores) choose it; those whose subject is the process (kills, stop
 signals, several launchers, preflight's memory) keep real processes.
 """
@@ -201,8 +202,8 @@ class ForkedCommand(subprocess.Popen):
 
 def _forked_main(cli_main, args, cwd, env) -> int:
     """In a forked child: what a new process of ``args`` would be (signal handlers, standard
-    streams, working folder, environment, torch's threads, fairseq's logging, metrics and
-    TensorBoard writers as at its start), then ``cli_main``; returns its exit status (a
+    streams, working folder, environment, fairseq's logging, metrics and TensorBoard writers as
+    at its start; torch on one thread), then ``cli_main``; returns its exit status (a
     KeyboardInterrupt ends it by SIGINT, as Python does)."""
     for signum in signal.valid_signals():  # this process's handlers (the launcher's stop forwarding) are not its
         handler = signal.getsignal(signum)
@@ -221,8 +222,9 @@ def _forked_main(cli_main, args, cwd, env) -> int:
     import torch
     from fairseq.logging import metrics, progress_bar
 
-    if os.environ.get("OMP_NUM_THREADS"):  # read by a new process at its start
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # one thread, whatever OMP_NUM_THREADS says: GNU OpenMP hangs in a fork of a process that
+    # used a pool of several threads (the runner's tests give their runs 1 thread anyway)
+    torch.set_num_threads(1)
     root = logging.getLogger()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))

@@ -21,7 +21,8 @@ from fairseq_normplug.experiments import processes
 
 def stand_in():
     """A console script's ``cli_main`` that prints what its process sees, then does what
-    ``$FORKED_THEN`` says: end, ``exit 3``, ``normplug`` (a NormplugError), ``crash``, ``sleep``."""
+    ``$FORKED_THEN`` says: end, ``exit 3``, ``normplug`` (a NormplugError), ``crash``, ``compute``
+    (an OpenMP-parallel sum), ``sleep``."""
     print(sys.argv, os.getcwd(), os.environ.get("FORKED_SEEN"), torch.get_num_threads(), sys.stdin.read())
     logging.getLogger("fairseq_cli.train").info("a log record")
     print("to stderr", file=sys.stderr)
@@ -32,6 +33,8 @@ def stand_in():
         raise NormplugError("bad --norm-type x; choose from layernorm, rmsnorm")
     if then == "crash":
         raise RuntimeError("boom")
+    if then == "compute":  # on OpenMP's threads
+        print("sum", torch.ones(4_000_000).exp().sum().item() > 0, torch.get_num_threads())
     if then == "sleep":
         print("sleeping", flush=True)
         time.sleep(60)
@@ -62,11 +65,11 @@ def test_a_forked_command_has_its_own_pipes_folder_environment_threads_and_log(e
     cwd, env = os.getcwd(), dict(os.environ)
     proc = ForkedCommand(["/some/bin/fairseq-train", "data-bin", "--arch", "x"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
-                         env={**os.environ, "FORKED_SEEN": "yes", "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "FORKED_SEEN": "yes", "OMP_NUM_THREADS": "2"})
     out, err = proc.communicate("its input", timeout=60)
     assert proc.returncode == 0 and proc.pid != os.getpid()
     first, log = out.splitlines()
-    assert first == f"['fairseq-train', 'data-bin', '--arch', 'x'] {tmp_path} yes 1 its input"
+    assert first == f"['fairseq-train', 'data-bin', '--arch', 'x'] {tmp_path} yes 1 its input"  # 1 thread
     assert log.endswith(" | INFO | fairseq_cli.train | a log record")  # fairseq's format, on stdout
     assert err == "to stderr\n"
     assert os.getcwd() == cwd and dict(os.environ) == env  # this process is as it was
@@ -81,6 +84,27 @@ def test_a_forked_command_exits_as_the_process_would(entry_replaced, then, code,
     proc = forked(then)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == code and err.endswith(stderr_end), err
+
+
+def test_a_forked_command_computes_on_one_thread_after_this_process_used_several(entry_replaced):
+    """GNU OpenMP hangs in a fork of a process whose pool had several threads, if the fork asks
+    for several again: the child computes on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(4_000_000).exp().sum()  # this process's pool of 2 threads
+        proc = ForkedCommand(["fairseq-train"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "FORKED_THEN": "compute", "OMP_NUM_THREADS": "2"})
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        torch.set_num_threads(threads)
+    assert proc.returncode == 0 and out.splitlines()[-1] == "sum True 1", err
 
 
 def test_a_stop_signal_ends_a_forked_command_as_it_ends_a_process(entry_replaced):
