@@ -28,9 +28,10 @@ and fairseq again (3 of the 4-6 CPU seconds of a tiny training). It is a process
 its own pid (recorded in the run's lock, signalled, waited for), its stdin, stdout and stderr
 the pipes and files the runner gave it, its environment and working folder, and its exit
 status the command's; torch computes on one thread in it (GNU OpenMP cannot start a pool of
-several in a fork of a process that used one), as the runner's tests ask of their runs. Tests whose subject is the runner's logic (what it trains, skips,
-resumes, records and scores) choose it; those whose subject is the process (kills, stop
-signals, several launchers, preflight's memory) keep real processes.
+several in a fork of a process that used one), as the runner's tests ask of their runs. Tests
+whose subject is the runner's logic (what it trains, skips, resumes, records and scores)
+choose it, one launcher job at a time; those whose subject is the process (kills, stop
+signals, several launchers or jobs at once, preflight's memory) keep real processes.
 """
 import contextlib
 import io

@@ -135,10 +135,10 @@ def end_process(proc: subprocess.Popen, signum: int = signal.SIGTERM, grace_s: f
 
 @contextmanager
 def run_process(run: "Run", role: str, command: List[str], **popen_options) -> Iterator[subprocess.Popen]:
-    """``command`` started (:func:`start_command`: ``subprocess.Popen(command, **popen_options)``) as ``run``'s ``role`` (``trainer``,
-    ``decoder``): recorded in the run's lock while it runs; when the block ends by an exception
-    (a stop signal included) it is ended and waited for (:func:`end_process`) before the
-    exception goes on; a block that ends normally must have waited for it. A launcher stopped
+    """``command`` started by :func:`start_command` (``subprocess.Popen(command, **popen_options)``)
+    as ``run``'s ``role`` (``trainer``, ``decoder``): recorded in the run's lock while it runs;
+    when the block ends by an exception (a stop signal included) it is ended and waited for
+    (:func:`end_process`) before the exception goes on; a block that ends normally must have waited for it. A launcher stopped
     meanwhile raises :class:`LauncherStopped` (a worker thread's run ends here)."""
     main = threading.current_thread() is threading.main_thread()
     if main:
