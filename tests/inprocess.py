@@ -18,11 +18,26 @@ that the next command writes its own folder. One command at a time: fairseq's st
 
 Use a real command (``run_cli``, in a test marked ``slow``) when the process is the subject:
 signals, exit codes of the shell scripts, set-up, several processes on one folder.
+
+The experiment runner's commands (fairseq-train and fairseq-generate of a table's runs, started
+by ``experiments/processes.py``'s ``run_process``) can run the same way in a forked child of the
+test process instead: :func:`forked_commands` (``with forked_commands(): run_table(...)``)
+starts them as :class:`ForkedCommand`, a ``subprocess.Popen`` whose child calls the console
+script's ``cli_main`` instead of executing the program, so that it does not start Python, torch
+and fairseq again (3 of the 4-6 CPU seconds of a tiny training). It is a process all the same:
+its own pid (recorded in the run's lock, signalled, waited for), its stdin, stdout and stderr
+the pipes and files the runner gave it, its environment and working folder, and its exit
+status the command's; torch computes on one thread in it (GNU OpenMP cannot start a pool of
+several in a fork of a process that used one), as the runner's tests ask of their runs. Tests
+whose subject is the runner's logic (what it trains, skips, resumes, records and scores)
+choose it, one launcher job at a time; those whose subject is the process (kills, stop
+signals, several launchers or jobs at once, preflight's memory) keep real processes.
 """
 import contextlib
 import io
 import logging
 import os
+import signal
 import subprocess
 import sys
 import traceback
@@ -143,3 +158,134 @@ def run_fairseq(args: Sequence, cwd: Optional[str] = None, check: bool = True,
     if not fallback_ok and not FALLBACK_EXPECTED:
         assert_no_fallback(proc.stdout + proc.stderr, command)
     return proc
+
+
+class ForkedCommand(subprocess.Popen):
+    """``subprocess.Popen(command, ...)`` of a fairseq console script (``command[0]``: ``fairseq-train``,
+    ``fairseq-generate``, ... bare or as a path) whose child is a fork of this process running the
+    script's ``cli_main`` (see the module docstring): everything but the start (pipes, ``wait``,
+    ``communicate``, signals, ``returncode``) is ``subprocess.Popen``'s. The one step replaced is
+    CPython's POSIX ``Popen._execute_child`` (fork and exec): here fork, then the entry point and
+    ``os._exit`` with its exit status."""
+
+    def __init__(self, args, **popen_options):
+        unsupported = sorted(k for k in ("preexec_fn", "shell", "executable", "pass_fds", "start_new_session",
+                                         "process_group", "user", "group", "extra_groups", "umask")
+                             if popen_options.get(k) not in (None, False, (), -1))
+        if unsupported:
+            raise ValueError(f"ForkedCommand does not take {', '.join(unsupported)}")
+        self._cli_main = _entry_point(os.path.basename(str(args[0])))  # imported here, before the fork
+        super().__init__(args, **popen_options)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *_):
+        for stream in (sys.stdout, sys.stderr):  # nothing of this process's buffers written twice
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                for fd in (p2cwrite, c2pread, errread):  # the parent's ends
+                    if fd != -1:
+                        os.close(fd)
+                for fd, standard in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2)):
+                    if fd != -1:
+                        os.dup2(fd, standard)
+                code = _forked_main(self._cli_main, [str(a) for a in args], cwd, env)
+            except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
+                os.write(2, traceback.format_exc().encode())
+            finally:
+                os._exit(code)
+        self.pid = pid
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+
+def _forked_main(cli_main, args, cwd, env) -> int:
+    """In a forked child: what a new process of ``args`` would be (signal handlers, standard
+    streams, working folder, environment, fairseq's logging, metrics and TensorBoard writers as
+    at its start; torch on one thread), then ``cli_main``; returns its exit status (a
+    KeyboardInterrupt ends it by SIGINT, as Python does)."""
+    for signum in signal.valid_signals():  # this process's handlers (the launcher's stop forwarding) are not its
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _new_process_warnings()
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
+                                               write_through=True) for fd in (1, 2))
+    if cwd is not None:
+        os.chdir(cwd)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update({os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
+    import torch
+    from fairseq.logging import metrics, progress_bar
+
+    # one thread, whatever OMP_NUM_THREADS says: GNU OpenMP hangs in a fork of a process that
+    # used a pool of several threads (the runner's tests give their runs 1 thread anyway)
+    torch.set_num_threads(1)
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+    root.handlers = [handler]
+    root.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
+    metrics.reset()
+    progress_bar._tensorboard_writers.clear()  # this process's, open in it: not the child's to close
+    sys.argv = [os.path.basename(args[0]), *args[1:]]
+    code, interrupted = 0, False
+    try:
+        cli_main()
+    except SystemExit as stop:
+        code = _exit_status(stop)
+    except BaseException:  # noqa: BLE001 - an uncaught exception, reported as Python reports it
+        interrupted = isinstance(sys.exc_info()[1], KeyboardInterrupt)
+        code = 1
+        try:
+            sys.excepthook(*sys.exc_info())  # the plugin's hook: one line and status 2 for a NormplugError
+        except SystemExit as stop:
+            code = _exit_status(stop)
+    finally:
+        _end_of_process()
+        sys.stdout.flush(), sys.stderr.flush()
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _new_process_warnings() -> None:
+    """Warnings as a new process has them: Python's default filters (not the test's), printed to
+    stderr (not recorded by pytest); a fallback of the plugin's fast paths stays an error, as in
+    this process (conftest.py), unless it is the expected behaviour here."""
+    import warnings
+
+    warnings.resetwarnings()
+    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    if not FALLBACK_EXPECTED:
+        warnings.filterwarnings("error", r"fairseq-normplug. (native CPU norm kernels unavailable|torch\.compile of)",
+                                RuntimeWarning)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = show
+
+
+def _exit_status(stop: SystemExit) -> int:
+    """The exit status of a process ended by ``stop`` (a non-integer code printed, status 1)."""
+    if stop.code is None or isinstance(stop.code, int):
+        return stop.code or 0
+    sys.stderr.write(f"{stop.code}\n")
+    return 1
+
+
+def forked_commands():
+    """Context manager: the experiment runner's commands started as :class:`ForkedCommand` (the
+    runner's seam, ``experiments/processes.py``'s ``commands_started_by``)."""
+    from fairseq_normplug.experiments.processes import commands_started_by
+
+    return commands_started_by(ForkedCommand)

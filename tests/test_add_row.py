@@ -1,7 +1,8 @@
 """``reproduce.sh TABLE --add-row "NAME=FLAGS" --normplug-modules PATH``: a researcher's own row
 (here the example extension's partial RMSNorm, from outside the package) beside a table's rows,
 with the table's recipe and seeds, compared with its baseline; the table's finished runs are
-reused, so only the new row trains, and one results.md holds them all."""
+reused, so only the new row trains, and one results.md holds them all. The runner's fairseq
+commands run in forked children of this process (tests/inprocess.py's forked_commands)."""
 import csv
 import json
 import os
@@ -9,6 +10,7 @@ import os
 import pytest
 
 from conftest import REPO, write_configs
+from inprocess import forked_commands
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import reproduce
 from fairseq_normplug.experiments.configs import load_table, with_added_rows
@@ -80,12 +82,14 @@ def test_the_command_line_refuses_before_any_work(argv, message, capsys):
 @pytest.mark.slow
 def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_prepared, tmp_path):
     runs, data = str(tmp_path / "runs"), {"src-tgt": tiny_prepared}
-    run_table(table, ["src-tgt"], data, runs, str(tmp_path / "before"), echo=lambda message: None)
+    with forked_commands():
+        run_table(table, ["src-tgt"], data, runs, str(tmp_path / "before"), echo=lambda message: None)
     kept = {name: os.path.getmtime(os.path.join(runs, "small", "src-tgt", name, "train.log"))
             for name in os.listdir(os.path.join(runs, "small", "src-tgt"))}
     messages = []
     added = with_added_rows(table, [f"{OURS}=--prenorm --norm-type prmsnorm --prms-p 0.5"], [EXTENSION])
-    run_table(added, ["src-tgt"], data, runs, str(tmp_path / "after"), echo=messages.append)
+    with forked_commands():
+        run_table(added, ["src-tgt"], data, runs, str(tmp_path / "after"), echo=messages.append)
     trained = [m for m in messages if "training" in m]
     assert len(trained) == 1 and OURS in trained[0], messages
     for name, mtime in kept.items():

@@ -1,15 +1,16 @@
 """reproduce/train/evaluate on a tiny prepared corpus: results produced, resume skips
-finished rows, a forced divergence is recorded as such."""
+finished rows, a forced divergence is recorded as such. The runner's fairseq commands run in
+forked children of this process (tests/inprocess.py's forked_commands): its logic is the subject."""
 import csv
 import dataclasses
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
-from conftest import COMMAND_TIMEOUT, write_configs
+from conftest import write_configs
+from inprocess import forked_commands, run_fairseq
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.reproduce import run_table
 
@@ -25,6 +26,12 @@ TINY_TABLE = {
          "train": ["--lr", "1e4"]},
     ],
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runner_commands_forked():
+    with forked_commands():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +165,8 @@ def test_best_checkpoint_is_the_best_dev_bleu_and_dev_decodes_like_test(tiny_tab
     checkpoints = sorted(name for name in os.listdir(run.path("checkpoints")) if name.endswith(".pt"))
     assert checkpoints == ["checkpoint_best.pt", "checkpoint_last.pt"]  # beside the hub's files
     dev_out = tmp_path / "generate-valid.txt"
-    with open(dev_out, "w") as out:
-        subprocess.run(generate_command(run, run.path("checkpoints", "checkpoint_best.pt"), "valid"),
-                       stdout=out, check=True, stderr=subprocess.DEVNULL, timeout=COMMAND_TIMEOUT)
+    dev_decoding = run_fairseq(generate_command(run, run.path("checkpoints", "checkpoint_best.pt"), "valid"))
+    dev_out.write_text(dev_decoding.stdout)
     refs = bleu.read_lines(os.path.join(prepared, "ref", "valid.tok.tgt"))
     dev_again = bleu.tokenized_bleu(bleu.read_fairseq_generate(str(dev_out), len(refs)).hypotheses, refs)
     assert round(dev_again.score, 2) == pytest.approx(best)

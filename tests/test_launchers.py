@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from inprocess import forked_commands
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import demo, launchers, reproduce
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
@@ -192,6 +193,17 @@ def csv_without_times(out) -> list:
         return [{k: v for k, v in row.items() if k != "minutes"} for row in csv.DictReader(f)]
 
 
+def run_records_without_times(run_dir) -> dict:
+    """A run's status.json and scores.json (all but the minutes), its test translations and dev
+    records (generate-test.txt's H- lines, train.log's valid records but their wall times)."""
+    status = json.loads((run_dir / "status.json").read_text())
+    hypotheses = [line for line in (run_dir / "generate-test.txt").read_text().splitlines() if line.startswith("H-")]
+    valid = [{k: v for k, v in json.loads(line.split(" | ", 3)[3]).items() if k != "valid_wall"}
+             for line in (run_dir / "train.log").read_text().splitlines() if " | valid | " in line]
+    return {"status": {k: v for k, v in status.items() if k != "minutes"},
+            "scores": json.loads((run_dir / "scores.json").read_text()), "hypotheses": hypotheses, "valid": valid}
+
+
 def log_span(log_path) -> tuple:
     """(first, last) timestamp of a fairseq log, as 'YYYY-MM-DD HH:MM:SS' strings."""
     stamps = [line[:19] for line in open(log_path, encoding="utf-8") if line[:2] == "20" and line[19:22] == " | "]
@@ -200,7 +212,10 @@ def log_span(log_path) -> tuple:
 
 @pytest.fixture(scope="module")
 def one_job(orch):
-    return table_run(orch, "orch", LocalLauncher(jobs=1, cpus_per_run=1, visible_devices=[]), "jobs1")
+    """The table by one job, its fairseq commands in forked children of this process
+    (tests/inprocess.py's forked_commands); ``two_jobs``, the same table, by real processes."""
+    with forked_commands():
+        return table_run(orch, "orch", LocalLauncher(jobs=1, cpus_per_run=1, visible_devices=[]), "jobs1")
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +229,9 @@ def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
     assert [r["status"] for r in results1] == ["ok", "ok"] and not results1.failed and not results2.failed
     assert csv_without_times(out1) == csv_without_times(out2)
     assert (out1 / "results" / "results.md").exists() and (out2 / "results" / "results.md").exists()
+    for slug in ("prenorm", "prenorm-fixnorm-scalenorm"):  # forked children (one job) = real processes (two)
+        run1, run2 = (out / "runs" / "orch" / "src-tgt" / slug for out in (out1, out2))
+        assert run_records_without_times(run1) == run_records_without_times(run2), slug
     spans = {}
     for out in (out1, out2):
         first, second = (out / "runs" / "orch" / "src-tgt" / slug / "train.log"

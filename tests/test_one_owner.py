@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO
 from test_kill_rerun import KILL_HOOK
 from test_trust import reference, trust  # noqa: F401 (fixtures)
-from test_trust import finish, run_dir, start_launcher, table_csv, wait_for, write_lock
+from test_trust import finish, launcher_here, run_dir, start_launcher, table_csv, wait_for, write_lock
 from fairseq_normplug.experiments import ownership, runner, single_run
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.launchers import LocalLauncher
@@ -291,7 +291,7 @@ def test_a_stopped_launcher_ends_its_process_and_the_rerun_equals_the_uninterrup
         assert not os.path.exists(os.path.join(run_dir(root / out, "prenorm"), ownership.LOCK_NAME))
     finally:
         kill_if_alive(pid)
-    assert finish(start_launcher(trust, out, "rerun-" + out, rows=["PreNorm"])) == 0
+    assert launcher_here(trust, out, "rerun-" + out, rows=["PreNorm"]) == 0
     log = (root / f"rerun-{out}.log").read_text()
     assert "took the run over" not in log  # released by the stopped launcher
     assert ("training (resuming)" in log) == pause_at.startswith("update")

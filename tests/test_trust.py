@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import REPO, write_configs
-from inprocess import run_fairseq
+from inprocess import forked_commands, run_fairseq
 from test_kill_rerun import KILL_HOOK
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers, ownership, preflight, reproduce, runner
@@ -129,11 +129,14 @@ def run_dir(out, slug):
 
 @pytest.fixture(scope="module")
 def reference(trust):
-    """The two-row table, uninterrupted, by one launcher in this process."""
+    """The two-row table, uninterrupted, by one launcher in this process, its fairseq commands in
+    forked children (tests/inprocess.py's forked_commands); the launchers of the tests below,
+    real processes, must give the same table."""
     root, configs, data = trust
     out = root / "reference"
-    results = reproduce.run_table(load_table("trust", configs), ["src-tgt"], {"src-tgt": data}, str(out / "runs"),
-                                  str(out / "results"), echo=lambda m: None)
+    with forked_commands():
+        results = reproduce.run_table(load_table("trust", configs), ["src-tgt"], {"src-tgt": data},
+                                      str(out / "runs"), str(out / "results"), echo=lambda m: None)
     assert [r["status"] for r in results] == ["ok", "ok"] and not results.failed
     return table_csv(out)
 
@@ -147,6 +150,21 @@ def start_launcher(trust, out, name, rows=()):
                              str(root / out / f"{name}-results"), *rows],
                             stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_HELD_POLL": "0.3"})
+
+
+def launcher_here(trust, out, name, rows=()) -> int:
+    """What ``finish(start_launcher(trust, out, name, rows))`` does, by a launcher in this process
+    whose fairseq commands are forked (tests/inprocess.py's forked_commands): for a re-run whose
+    subject is what the runner does with the runs another launcher left, not its own process.
+    Its console lines go to ``name``.log; returns its exit status."""
+    root, configs, data = trust
+    lines = []
+    with forked_commands():
+        results = reproduce.run_table(load_table("trust", configs), ["src-tgt"], {"src-tgt": data},
+                                      str(root / out / "runs"), str(root / out / f"{name}-results"), list(rows),
+                                      echo=lines.append)
+    (root / f"{name}.log").write_text("".join(line + "\n" for line in lines))
+    return 1 if results.failed else 0
 
 
 def finish(proc, timeout=300):
@@ -215,11 +233,19 @@ def test_a_killed_owners_run_is_taken_over_and_ends_as_if_uninterrupted(trust, r
     holder = ownership.read_holder(os.path.join(folder, ownership.LOCK_NAME))
     assert holder is not None and holder.host == socket.gethostname()
     wait_for(lambda: not ownership.pid_alive(holder.pid))
-    assert finish(start_launcher(trust, "takeover", "taker", rows=["PreNorm"])) == 0
+    assert launcher_here(trust, "takeover", "taker", rows=["PreNorm"]) == 0
     log = (root / "taker.log").read_text()
     assert f"took the run over from host {holder.host} pid {holder.pid}" in log and "its process is gone" in log
     assert "[trust src-tgt | PreNorm] training (resuming)" in log
     assert table_csv(root / "takeover", "taker-results") == reference[:1]
+
+
+@pytest.fixture
+def runner_commands_forked():
+    """The runner's fairseq commands in forked children of this process, for a test whose
+    subject is the runner's logic (tests/inprocess.py's forked_commands)."""
+    with forked_commands():
+        yield
 
 
 @pytest.fixture
@@ -242,7 +268,8 @@ def main_of(trust, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_a_diverging_row_and_an_undecodable_test_sentence(trust, long_test_sentence, main_of):
+def test_a_diverging_row_and_an_undecodable_test_sentence(trust, long_test_sentence, main_of,
+                                                          runner_commands_forked):
     """PostNorm at lr 1 without warmup ends as diverged at its first validation, with the dev
     loss against a uniform guess; a row whose model cannot take the longest test sentence is
     failed, named with its cause and log; the table is written with the good row; exit 1. The
@@ -343,7 +370,8 @@ def test_a_read_only_results_folder_is_found_before_training_and_after_it(trust,
 
 
 @pytest.mark.slow
-def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(trust, reference, main_of):
+def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(trust, reference, main_of,
+                                                                               runner_commands_forked):
     root = trust[0]
     folder = copy_reference_runs(root, "corrupt")
     (folder / "prenorm" / "scores.json").write_text('{"tokenized_bleu": 1')  # cut short
@@ -358,7 +386,8 @@ def test_a_corrupt_scores_json_is_a_failed_run_until_the_rerun_scores_it_again(t
 
 
 @pytest.mark.slow
-def test_a_bad_status_or_scores_field_is_failed_until_the_rerun_repairs_it(trust, reference, main_of):
+def test_a_bad_status_or_scores_field_is_failed_until_the_rerun_repairs_it(trust, reference, main_of,
+                                                                          runner_commands_forked):
     """Issue 50: ``"minutes": "x"`` in a status.json, ``"sacrebleu": "x"`` in a scores.json:
     --collect names both files, fails both runs and writes the table; the re-run trains nothing,
     records the first run done from its checkpoints, decodes the second again, and writes the

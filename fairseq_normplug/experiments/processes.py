@@ -6,7 +6,7 @@ import signal
 import subprocess
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional
 
 from fairseq_normplug.experiments import ownership
 
@@ -18,6 +18,35 @@ if TYPE_CHECKING:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: seconds a stopped run's process has to end after the forwarded signal, before SIGKILL
 STOP_GRACE_S = float(os.environ.get("NORMPLUG_STOP_GRACE", "30"))
+
+
+#: how :func:`run_process` starts a command: ``starter(command, **popen_options)`` returns a
+#: ``subprocess.Popen`` (or an object of its interface whose ``pid`` is a child process of
+#: this one); None, the default, is ``subprocess.Popen`` itself: a real process
+CommandStarter = Callable[..., subprocess.Popen]
+_COMMAND_STARTER: Optional[CommandStarter] = None
+
+
+@contextmanager
+def commands_started_by(starter: CommandStarter) -> Iterator[None]:
+    """While the block runs, the runs' fairseq commands are started by ``starter`` instead of
+    ``subprocess.Popen``: the one seam where the runner starts its commands. The tests use it to
+    run fairseq-train and fairseq-generate in a forked child of the test process (``tests/
+    inprocess.py``'s ``forked_commands``) where the runner's logic, not the process, is their
+    subject; everything else (the run's lock, stop signals, logs, exit codes) is unchanged."""
+    global _COMMAND_STARTER
+    previous, _COMMAND_STARTER = _COMMAND_STARTER, starter
+    try:
+        yield
+    finally:
+        _COMMAND_STARTER = previous
+
+
+def start_command(command: List[str], **popen_options) -> subprocess.Popen:
+    """Start ``command`` as :func:`run_process` does: ``subprocess.Popen(command, **popen_options)``,
+    or the starter of an enclosing :func:`commands_started_by`."""
+    starter = _COMMAND_STARTER or subprocess.Popen  # looked up now: tests replace subprocess.Popen
+    return starter(command, **popen_options)
 
 
 class LauncherStopped(KeyboardInterrupt):
@@ -106,16 +135,16 @@ def end_process(proc: subprocess.Popen, signum: int = signal.SIGTERM, grace_s: f
 
 @contextmanager
 def run_process(run: "Run", role: str, command: List[str], **popen_options) -> Iterator[subprocess.Popen]:
-    """``subprocess.Popen(command, **popen_options)`` as ``run``'s ``role`` (``trainer``,
-    ``decoder``): recorded in the run's lock while it runs; when the block ends by an exception
-    (a stop signal included) it is ended and waited for (:func:`end_process`) before the
-    exception goes on; a block that ends normally must have waited for it. A launcher stopped
+    """``command`` started by :func:`start_command` (``subprocess.Popen(command, **popen_options)``)
+    as ``run``'s ``role`` (``trainer``, ``decoder``): recorded in the run's lock while it runs;
+    when the block ends by an exception (a stop signal included) it is ended and waited for
+    (:func:`end_process`) before the exception goes on; a block that ends normally must have waited for it. A launcher stopped
     meanwhile raises :class:`LauncherStopped` (a worker thread's run ends here)."""
     main = threading.current_thread() is threading.main_thread()
     if main:
         _PROCESSES.starting = True
     try:
-        proc = subprocess.Popen(command, **popen_options)
+        proc = start_command(command, **popen_options)
         with _PROCESSES.lock:
             _PROCESSES.running[id(proc)] = proc
     finally:

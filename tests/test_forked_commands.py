@@ -1,0 +1,125 @@
+"""The runner's one seam for starting commands (experiments/processes.py's start_command) and
+tests/inprocess.py's ForkedCommand, which the runner tests choose with forked_commands(): a child
+process forked from the test process, with the pipes, folder, environment, threads, logging,
+signal handling and exit status of a new process. The console script's entry is replaced here
+by a stand-in that reports what it sees (fairseq itself runs this way in test_experiments)."""
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import inprocess
+from inprocess import ForkedCommand, forked_commands
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments import processes
+
+
+def stand_in():
+    """A console script's ``cli_main`` that prints what its process sees, then does what
+    ``$FORKED_THEN`` says: end, ``exit 3``, ``normplug`` (a NormplugError), ``crash``, ``compute``
+    (an OpenMP-parallel sum), ``sleep``."""
+    print(sys.argv, os.getcwd(), os.environ.get("FORKED_SEEN"), torch.get_num_threads(), sys.stdin.read())
+    logging.getLogger("fairseq_cli.train").info("a log record")
+    print("to stderr", file=sys.stderr)
+    then = os.environ.get("FORKED_THEN", "end")
+    if then == "exit 3":
+        sys.exit(3)
+    if then == "normplug":
+        raise NormplugError("bad --norm-type x; choose from layernorm, rmsnorm")
+    if then == "crash":
+        raise RuntimeError("boom")
+    if then == "compute":  # on OpenMP's threads
+        print("sum", torch.ones(4_000_000).exp().sum().item() > 0, torch.get_num_threads())
+    if then == "sleep":
+        print("sleeping", flush=True)
+        time.sleep(60)
+
+
+@pytest.fixture
+def entry_replaced(monkeypatch):
+    monkeypatch.setattr(inprocess, "_entry_point", lambda command: stand_in)
+
+
+def forked(then="end", **options):
+    return ForkedCommand(["/some/bin/fairseq-train", "data-bin", "--arch", "x"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "FORKED_THEN": then}, **options)
+
+
+def test_the_runner_starts_real_processes_unless_a_test_chooses_forked_ones():
+    real = processes.start_command([sys.executable, "-c", "print(1)"], stdout=subprocess.PIPE, text=True)
+    assert type(real) is subprocess.Popen and real.communicate()[0] == "1\n" and real.returncode == 0
+    with forked_commands():
+        with processes.commands_started_by(subprocess.Popen):  # nested: the inner starter, then the outer again
+            assert processes._COMMAND_STARTER is subprocess.Popen
+        assert processes._COMMAND_STARTER is ForkedCommand
+    assert processes._COMMAND_STARTER is None
+
+
+def test_a_forked_command_has_its_own_pipes_folder_environment_threads_and_log(entry_replaced, tmp_path):
+    cwd, env = os.getcwd(), dict(os.environ)
+    proc = ForkedCommand(["/some/bin/fairseq-train", "data-bin", "--arch", "x"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                         env={**os.environ, "FORKED_SEEN": "yes", "OMP_NUM_THREADS": "2"})
+    out, err = proc.communicate("its input", timeout=60)
+    assert proc.returncode == 0 and proc.pid != os.getpid()
+    first, log = out.splitlines()
+    assert first == f"['fairseq-train', 'data-bin', '--arch', 'x'] {tmp_path} yes 1 its input"  # 1 thread
+    assert log.endswith(" | INFO | fairseq_cli.train | a log record")  # fairseq's format, on stdout
+    assert err == "to stderr\n"
+    assert os.getcwd() == cwd and dict(os.environ) == env  # this process is as it was
+
+
+@pytest.mark.parametrize("then,code,stderr_end", [
+    ("exit 3", 3, "to stderr\n"),
+    ("normplug", 2, "to stderr\nfairseq-normplug: error: bad --norm-type x; choose from layernorm, rmsnorm\n"),
+    ("crash", 1, "RuntimeError: boom\n"),
+])
+def test_a_forked_command_exits_as_the_process_would(entry_replaced, then, code, stderr_end):
+    proc = forked(then)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code and err.endswith(stderr_end), err
+
+
+def test_a_forked_command_computes_on_one_thread_after_this_process_used_several(entry_replaced):
+    """GNU OpenMP hangs in a fork of a process whose pool had several threads, if the fork asks
+    for several again: the child computes on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(4_000_000).exp().sum()  # this process's pool of 2 threads
+        proc = ForkedCommand(["fairseq-train"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "FORKED_THEN": "compute", "OMP_NUM_THREADS": "2"})
+        try:
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    finally:
+        torch.set_num_threads(threads)
+    assert proc.returncode == 0 and out.splitlines()[-1] == "sum True 1", err
+
+
+def test_a_stop_signal_ends_a_forked_command_as_it_ends_a_process(entry_replaced):
+    """The launcher's handlers (which raise LauncherStopped in the launcher) are not the child's."""
+    with processes.stop_signals_forwarded():
+        proc = forked("sleep")
+        _, log, sleeping = (proc.stdout.readline() for _ in range(3))
+        assert log.endswith("a log record\n") and sleeping == "sleeping\n"  # it runs
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_only_fairseq_commands_and_plain_options_are_forked():
+    with pytest.raises(ValueError, match="no in-process entry point for 'python'"):
+        ForkedCommand(["python", "-c", "print(1)"])
+    with pytest.raises(ValueError, match="ForkedCommand does not take start_new_session"):
+        ForkedCommand(["fairseq-train"], start_new_session=True)
