@@ -11,7 +11,8 @@ them), ``print`` output, and the plugin's one-line refusals (``fairseq-normplug:
 exit status 2) where the installed ``sys.excepthook`` would print them. Any other exception
 is exit status 1 with its traceback on stderr, as an uncaught exception ends a process.
 
-Each call starts with fairseq's metrics as a new process has them (``metrics.reset()``), and
+Each call starts with fairseq's state as a new process has it (its metrics reset, and the best
+dev score and early-stopping counts it keeps on its functions forgotten: ``_start_of_process``), and
 what a process's exit would do is done at its end: fairseq's TensorBoard writers (one per log
 key, kept in a module-level dict and closed by an ``atexit`` hook) are closed and forgotten, so
 that the next command writes its own folder. One command at a time: fairseq's state is global.
@@ -82,6 +83,29 @@ def _environment(env: Optional[Dict[str, Optional[str]]]):
         os.environ.update(saved)
 
 
+#: fairseq's process-wide state kept on its functions (attributes a function sets on itself), which a
+#: new process starts without: the best validation score so far, which decides whether
+#: checkpoint_best.pt is written (``checkpoint_utils.save_checkpoint.best``), and early stopping's
+#: (``fairseq_cli.train.should_stop_early.best`` / ``num_runs``). {(module, function): attributes}
+FAIRSEQ_FUNCTION_STATE = {("fairseq.checkpoint_utils", "save_checkpoint"): ("best",),
+                          ("fairseq_cli.train", "should_stop_early"): ("best", "num_runs")}
+
+
+def _start_of_process() -> None:
+    """fairseq's state as a new process has it: its metrics' aggregators reset (nothing logged
+    by an earlier command leaks in) and :data:`FAIRSEQ_FUNCTION_STATE` forgotten (an earlier
+    command's best dev BLEU would stop this one from writing checkpoint_best.pt)."""
+    import importlib
+
+    from fairseq.logging import metrics
+
+    metrics.reset()
+    for (module, function), attributes in FAIRSEQ_FUNCTION_STATE.items():
+        state = vars(getattr(importlib.import_module(module), function))
+        for attribute in attributes:
+            state.pop(attribute, None)
+
+
 def _end_of_process() -> None:
     """What fairseq does at a process's exit and a later command must not inherit: its
     TensorBoard writers (``fairseq.logging.progress_bar._tensorboard_writers``, closed by its
@@ -127,9 +151,7 @@ def run_fairseq(args: Sequence, cwd: Optional[str] = None, check: bool = True,
     out, err = io.StringIO(), io.StringIO()
     saved_argv, saved_cwd, saved_stdin = sys.argv, os.getcwd(), sys.stdin
     code = 0
-    from fairseq.logging import metrics
-
-    metrics.reset()  # a new process's aggregators: nothing logged by an earlier command leaks in
+    _start_of_process()
     with _environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
             _captured_logging(out):
         sys.argv = [command, *args[1:]]
@@ -221,7 +243,7 @@ def _forked_main(cli_main, args, cwd, env) -> int:
         os.environ.clear()
         os.environ.update({os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
     import torch
-    from fairseq.logging import metrics, progress_bar
+    from fairseq.logging import progress_bar
 
     # one thread, whatever OMP_NUM_THREADS says: GNU OpenMP hangs in a fork of a process that
     # used a pool of several threads (the runner's tests give their runs 1 thread anyway)
@@ -231,7 +253,7 @@ def _forked_main(cli_main, args, cwd, env) -> int:
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
     root.handlers = [handler]
     root.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
-    metrics.reset()
+    _start_of_process()
     progress_bar._tensorboard_writers.clear()  # this process's, open in it: not the child's to close
     sys.argv = [os.path.basename(args[0]), *args[1:]]
     code, interrupted = 0, False

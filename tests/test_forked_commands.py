@@ -38,6 +38,10 @@ def stand_in():
     if then == "sleep":
         print("sleeping", flush=True)
         time.sleep(60)
+    if then == "best":  # fairseq's best dev score so far, kept on save_checkpoint
+        from fairseq import checkpoint_utils
+
+        print("best", getattr(checkpoint_utils.save_checkpoint, "best", None))
 
 
 @pytest.fixture
@@ -123,3 +127,52 @@ def test_only_fairseq_commands_and_plain_options_are_forked():
         ForkedCommand(["python", "-c", "print(1)"])
     with pytest.raises(ValueError, match="ForkedCommand does not take start_new_session"):
         ForkedCommand(["fairseq-train"], start_new_session=True)
+
+
+# ---- fairseq's state kept on its functions --------------------------------------------------
+
+@pytest.fixture
+def an_earlier_commands_best_scores():
+    """What an earlier fairseq-train in this process leaves on fairseq's functions: a best dev
+    loss no run beats, and early stopping's count past any patience."""
+    from fairseq import checkpoint_utils
+    from fairseq_cli import train
+
+    checkpoint_utils.save_checkpoint.best = -1e9
+    train.should_stop_early.best, train.should_stop_early.num_runs = -1e9, 99
+    yield
+    for (module, function), attributes in inprocess.FAIRSEQ_FUNCTION_STATE.items():
+        for attribute in attributes:
+            vars(getattr(sys.modules[module], function)).pop(attribute, None)
+
+
+def test_a_forked_command_starts_without_an_earlier_commands_best_score(entry_replaced, an_earlier_commands_best_scores):
+    """A forked runner's training inherited the test process's best dev score and never wrote
+    checkpoint_best.pt (the trust table's runs failed in the suite, not alone)."""
+    proc = forked("best")
+    out, _ = proc.communicate()
+    assert proc.returncode == 0 and "best None" in out, out
+
+
+def test_an_in_process_training_writes_its_own_best_checkpoint(an_earlier_commands_best_scores, tiny_bin, tmp_path):
+    from conftest import cli
+    from inprocess import run_fairseq
+    from test_cli import TRAIN_COMMON
+
+    flags = [flag for flag in TRAIN_COMMON if flag != "--disable-validation"]
+    proc = run_fairseq([cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *flags,
+                        "--save-dir", str(tmp_path), "--max-update", "4", "--validate-interval-updates", "2",
+                        "--patience", "1"])
+    assert (tmp_path / "checkpoint_best.pt").exists(), proc.stdout[-2000:]
+    assert "early stop" not in proc.stdout + proc.stderr
+
+
+def test_the_state_inprocess_resets_is_still_where_fairseq_keeps_it():
+    """Fails when fairseq renames what it keeps on its functions (update FAIRSEQ_FUNCTION_STATE)."""
+    import importlib
+    import inspect
+
+    for (module, function), attributes in inprocess.FAIRSEQ_FUNCTION_STATE.items():
+        source = inspect.getsource(importlib.import_module(module))
+        assert all(f"{function}.{attribute} =" in source for attribute in attributes), (module, function)
+
