@@ -19,6 +19,9 @@ TRAIN_COMMON = [
     "--max-tokens", "1200", "--cpu", "--num-workers", "0", "--seed", "1", "--no-epoch-checkpoints",
     "--log-format", "json", "--log-interval", "10", "--disable-validation",
 ]
+#: decodings bounded as the runner's dev decodes are (a barely trained model would go on to
+#: fairseq's default of 200 tokens; the tiny corpus's sentences have at most 14)
+SHORT_DECODES = ["--max-len-a", "1.2", "--max-len-b", "10"]
 COMBINATIONS = {
     "prenorm-scalenorm-fixnorm-smallinit": ["--prenorm", "--scalenorm", "--fixnorm", "--smallinit"],
     "postnorm-layernorm": [],
@@ -106,7 +109,7 @@ def test_generate_elsewhere_needs_the_user_dir_as_the_readme_says(trained, tiny_
     user_dir = run_cli([cli("fairseq-normplug-path")], cwd=str(tmp_path)).stdout.strip()
     command = [cli("fairseq-generate"), tiny_bin, "--path", str(save_dir / "checkpoint_last.pt"),
                "--beam", "2", "--cpu", "--gen-subset", "valid", "--max-tokens", "4000",
-               "--required-batch-size-multiple", "1"]
+               "--required-batch-size-multiple", "1", *SHORT_DECODES]
     with_dir = run_cli(command + ["--user-dir", user_dir], cwd=str(tmp_path))
     assert len([line for line in with_dir.stdout.splitlines() if line.startswith("H-")]) == 100
     without = run_cli(command, cwd=str(tmp_path), check=False)
@@ -119,7 +122,7 @@ def test_generate_from_checkpoint(trained, tiny_bin, name):
     save_dir, _, _ = trained[name]
     proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
                         os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "4", "--cpu",
-                        "--max-tokens", "4000", "--gen-subset", "test",
+                        "--max-tokens", "4000", "--gen-subset", "test", *SHORT_DECODES,
                         # fairseq's main branch drops the last batch unless it is a multiple of this
                         "--required-batch-size-multiple", "1"])
     hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
@@ -198,7 +201,7 @@ def test_eval_bleu_validation_and_best_checkpoint(tiny_bin, tmp_path):
     proc = run_fairseq([cli("fairseq-train"), tiny_bin, "--arch", "transformer_normplug_tiny", *flags,
                         "--prenorm", "--scalenorm", "--fixnorm", "--save-dir", str(tmp_path), "--max-update", "30",
                         "--validate-interval-updates", "10", "--save-interval-updates", "10", "--eval-bleu",
-                        "--eval-bleu-args", '{"beam": 1}', "--best-checkpoint-metric", "bleu",
+                        "--eval-bleu-args", json.dumps({"beam": 1, "max_len_a": 1.2, "max_len_b": 10}), "--best-checkpoint-metric", "bleu",
                         "--maximize-best-checkpoint-metric"])
     valid = log_records(proc, "valid")
     curve = [(int(r["valid_num_updates"]), float(r["valid_bleu"])) for r in valid]
@@ -340,7 +343,7 @@ def test_new_norm_types_train_resume_and_generate(tiny_bin, tmp_path):
     assert log_records(resumed, "train")[-1]["train_num_updates"] == "6"
     proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
                         ":".join(checkpoints), "--beam", "2", "--cpu", "--max-tokens", "4000",
-                        "--gen-subset", "valid", "--required-batch-size-multiple", "1"])
+                        "--gen-subset", "valid", "--required-batch-size-multiple", "1", *SHORT_DECODES])
     hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == 100 and not any("<pad>" in h for h in hypotheses)
 

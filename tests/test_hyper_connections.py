@@ -183,6 +183,7 @@ def test_refused_in_one_line(tiny_bin, flags, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow  # trains for more than about 10 s
 def test_trains_20_updates_logs_its_norms_and_decodes(tiny_bin, tmp_path):
     flags = [*HC, "--hc-streams", "2", "--hc-manifold", "--norm-stats-interval", "10"]
     proc = train(tiny_bin, tmp_path, flags, 20)

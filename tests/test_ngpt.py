@@ -203,6 +203,7 @@ RECIPE = ["--ngpt", "--lr-scheduler", "fixed", "--output-bias", "--target-vocab-
           "--criterion", "masked_label_smoothed_cross_entropy", "--norm-stats-interval", "5"]
 
 
+@pytest.mark.slow  # trains for more than about 10 s
 def test_24_updates_normalised_checkpoint_bit_identical_resume_and_decoding(tiny_bin, tmp_path):
     """fairseq-train in-process (dropout 0.3, word dropout, --update-freq 2): finite losses; the
     checkpoint saved right after a step holds unit rows; resuming from the epoch-2 checkpoint

@@ -91,6 +91,7 @@ def qknorm_gains(params):
     return {n: v.item() for n, v in params.items() if n.endswith(".g")}
 
 
+@pytest.mark.slow  # trains for more than about 10 s
 def test_qknorm_run_resumes_exactly(tiny_bin, tmp_path, caplog, monkeypatch):
     """QKNorm stopped at update 3 and resumed to 6 ends with exactly the parameters of a run
     straight to 6: the resumed model takes the learned g from the checkpoint (not g0 again),
