@@ -110,8 +110,8 @@ def run_dir(out, slug):
 @pytest.fixture(scope="module")
 def reference(trust):
     """The two-row table, uninterrupted, by one launcher in this process, its fairseq commands in
-    forked children (tests/inprocess.py's forked_commands); the launchers of the tests below,
-    real processes, must give the same table."""
+    forked children (tests/inprocess.py's forked_commands); the launchers of the tests below
+    (two real processes, the others forked launchers) must give the same table."""
     root, configs, data = trust
     out = root / "reference"
     with forked_commands():
