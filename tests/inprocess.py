@@ -31,8 +31,27 @@ the pipes and files the runner gave it, its environment and working folder, and 
 status the command's; torch computes on one thread in it (GNU OpenMP cannot start a pool of
 several in a fork of a process that used one), as the runner's tests ask of their runs. Tests
 whose subject is the runner's logic (what it trains, skips, resumes, records and scores)
-choose it, one launcher job at a time; those whose subject is the process (kills, stop
-signals, several launchers or jobs at once, preflight's memory) keep real processes.
+choose it, one launcher job at a time.
+
+A launcher itself (the runner in a process of its own: test_trust's ``launcher.py`` running
+``run_table``) can be such a fork too: :class:`ForkedLauncher` (``ForkedLauncher(main, stdout=log,
+start_new_session=True, env=..., cwd=...)``) calls ``main()`` in a forked child that is a new
+process in all the tests look at: its own pid (the one in its runs' locks) and, with
+``start_new_session``, its own session (``os.killpg(proc.pid, SIGKILL)`` kills it with its
+commands), its standard streams, folder and environment, Python's signal handlers (none of the
+test process's stop forwarding), the runner's module state as at its start (no processes of its
+own, no stop signal, no run owned, the settings it reads from the environment at import, such as
+``$NORMPLUG_HELD_POLL``, read again from its own), its exit status ``main``'s, and its runs'
+fairseq commands started as :class:`ForkedCommand` forks of it. A test's fault points
+(tests/fault_hooks.py, a ``sitecustomize`` for a real process) are installed in those commands
+by ``at_start``. The fault tests of one launcher (an owner SIGKILLed and taken over, a second
+launcher started while the first trains, a launcher stopped by SIGTERM, SIGINT or SIGHUP while
+its trainer or decoder is held, test_kill_rerun's jobs killed at four points) use it: their
+subject is the launcher's logic under kills, signals and concurrency, not the start of a Python.
+Real processes stay where the process itself is the subject: the shell scripts (train.sh
+stopped by SIGTERM), submitit, ``--jobs 2`` (commands started from several threads),
+preflight's memory, and one test with two real launcher processes on one folder
+(test_trust's ``test_two_launchers_started_at_once_train_each_run_once``).
 """
 import contextlib
 import io
@@ -42,7 +61,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from conftest import FALLBACK_EXPECTED, assert_no_fallback, failure_report
 
@@ -182,22 +201,32 @@ def run_fairseq(args: Sequence, cwd: Optional[str] = None, check: bool = True,
     return proc
 
 
-class ForkedCommand(subprocess.Popen):
-    """``subprocess.Popen(command, ...)`` of a fairseq console script (``command[0]``: ``fairseq-train``,
-    ``fairseq-generate``, ... bare or as a path) whose child is a fork of this process running the
-    script's ``cli_main`` (see the module docstring): everything but the start (pipes, ``wait``,
+class ForkedProcess(subprocess.Popen):
+    """``subprocess.Popen`` whose child is a fork of this process that calls ``self._child_main(args)``
+    and ends with its exit status (``os._exit``): everything but the start (pipes, ``wait``,
     ``communicate``, signals, ``returncode``) is ``subprocess.Popen``'s. The one step replaced is
-    CPython's POSIX ``Popen._execute_child`` (fork and exec): here fork, then the entry point and
-    ``os._exit`` with its exit status."""
+    CPython's POSIX ``Popen._execute_child`` (fork and exec): here fork, the child's standard
+    streams, its own session with ``start_new_session=True`` (``os.setsid``, as Popen does),
+    then :func:`_forked_main` with ``self._child_main``. The base of :class:`ForkedCommand` and
+    :class:`ForkedLauncher`."""
+
+    #: the child logs as fairseq's console scripts set it (to stdout, INFO), else as a Python
+    #: program that configures no logging
+    FAIRSEQ_LOGGING = False
+    #: Popen options a subclass's child does not apply
+    UNSUPPORTED = ("preexec_fn", "shell", "executable", "pass_fds", "process_group", "user", "group",
+                   "extra_groups", "umask")
 
     def __init__(self, args, **popen_options):
-        unsupported = sorted(k for k in ("preexec_fn", "shell", "executable", "pass_fds", "start_new_session",
-                                         "process_group", "user", "group", "extra_groups", "umask")
-                             if popen_options.get(k) not in (None, False, (), -1))
+        unsupported = sorted(k for k in self.UNSUPPORTED if popen_options.get(k) not in (None, False, (), -1))
         if unsupported:
-            raise ValueError(f"ForkedCommand does not take {', '.join(unsupported)}")
-        self._cli_main = _entry_point(os.path.basename(str(args[0])))  # imported here, before the fork
+            raise ValueError(f"{type(self).__name__} does not take {', '.join(unsupported)}")
+        self._new_session = bool(popen_options.get("start_new_session"))
         super().__init__(args, **popen_options)
+
+    def _child_main(self, args):
+        """The child's work, after :func:`_forked_main` made it a new process; its exit status."""
+        raise NotImplementedError
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *_):
@@ -207,13 +236,16 @@ class ForkedCommand(subprocess.Popen):
         if pid == 0:  # the child: never returns
             code = 1
             try:
+                if self._new_session:
+                    os.setsid()
                 for fd in (p2cwrite, c2pread, errread):  # the parent's ends
                     if fd != -1:
                         os.close(fd)
                 for fd, standard in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2)):
                     if fd != -1:
                         os.dup2(fd, standard)
-                code = _forked_main(self._cli_main, [str(a) for a in args], cwd, env)
+                code = _forked_main(self._child_main, [str(a) for a in args], cwd, env,
+                                    fairseq_logging=self.FAIRSEQ_LOGGING)
             except BaseException:  # noqa: BLE001 - the child must end here, whatever happened
                 os.write(2, traceback.format_exc().encode())
             finally:
@@ -223,11 +255,57 @@ class ForkedCommand(subprocess.Popen):
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
 
-def _forked_main(cli_main, args, cwd, env) -> int:
+class ForkedCommand(ForkedProcess):
+    """``subprocess.Popen(command, ...)`` of a fairseq console script (``command[0]``: ``fairseq-train``,
+    ``fairseq-generate``, ... bare or as a path) whose child is a fork of this process running the
+    script's ``cli_main`` (see the module docstring) and exits with its exit status."""
+
+    FAIRSEQ_LOGGING = True
+    UNSUPPORTED = ForkedProcess.UNSUPPORTED + ("start_new_session",)
+
+    def __init__(self, args, at_start: Optional[Callable[[], None]] = None, **popen_options):
+        """``at_start``: called in the child before the command (with its ``sys.argv`` and
+        environment), as a ``sitecustomize`` on its PYTHONPATH would run in a new process."""
+        self._cli_main = _entry_point(os.path.basename(str(args[0])))  # imported here, before the fork
+        self._at_start = at_start
+        super().__init__(args, **popen_options)
+
+    def _child_main(self, args):
+        sys.argv = [os.path.basename(args[0]), *args[1:]]
+        if self._at_start is not None:
+            self._at_start()
+        return self._cli_main()
+
+
+class ForkedLauncher(ForkedProcess):
+    """A launcher (the experiment runner in a process of its own: ``launcher.py``'s ``run_table``,
+    ``reproduce.main(argv)``) as a forked child of this process: ``ForkedLauncher(main, stdout=log,
+    start_new_session=True, env=..., cwd=...)`` calls ``main()`` in the child, whose exit status is
+    what it returns (an int; None is 0), its ``SystemExit``'s, 1 for an uncaught exception, or
+    SIGINT for a KeyboardInterrupt (a stop signal's LauncherStopped) as Python ends. The child is a
+    new process (see :func:`_forked_main`: its pid, signal handlers, environment and working
+    folder, the runner's module state and settings) and starts the runner's fairseq commands as
+    forks of itself (:func:`forked_commands`, each calling ``at_start`` first, as
+    :class:`ForkedCommand` does). ``args`` (``sys.argv``, messages) defaults to ``[main's name]``."""
+
+    def __init__(self, main: Callable[[], Optional[int]], args: Optional[Sequence] = None,
+                 at_start: Optional[Callable[[], None]] = None, **popen_options):
+        self._main, self._at_start = main, at_start
+        super().__init__(list(args) if args else [getattr(main, "__name__", "launcher")], **popen_options)
+
+    def _child_main(self, args):
+        sys.argv = list(args)
+        with forked_commands(at_start=self._at_start):
+            return self._main()
+
+
+def _forked_main(child_main, args, cwd, env, fairseq_logging=True) -> int:
     """In a forked child: what a new process of ``args`` would be (signal handlers, standard
-    streams, working folder, environment, fairseq's logging, metrics and TensorBoard writers as
-    at its start; torch on one thread), then ``cli_main``; returns its exit status (a
-    KeyboardInterrupt ends it by SIGINT, as Python does)."""
+    streams, working folder, environment, the plugin's module state and the settings it reads from
+    the environment at import, fairseq's metrics and TensorBoard writers as at its start; torch on
+    one thread; fairseq's logging to stdout with ``fairseq_logging``, as its console scripts set
+    it, else Python's default), then ``child_main(args)``; returns its exit status (what it
+    returns, an int, None: 0; a KeyboardInterrupt ends it by SIGINT, as Python does)."""
     for signum in signal.valid_signals():  # this process's handlers (the launcher's stop forwarding) are not its
         handler = signal.getsignal(signum)
         if callable(handler) and handler is not signal.default_int_handler:
@@ -249,16 +327,21 @@ def _forked_main(cli_main, args, cwd, env) -> int:
     # used a pool of several threads (the runner's tests give their runs 1 thread anyway)
     torch.set_num_threads(1)
     root = logging.getLogger()
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
-    root.handlers = [handler]
-    root.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
+    if fairseq_logging:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+        root.handlers = [handler]
+        root.setLevel(os.environ.get("LOGLEVEL", "INFO").upper())
+    else:  # a Python program that configures no logging: warnings and worse to stderr
+        root.handlers = []
+        root.setLevel(logging.WARNING)
     _start_of_process()
+    _plugin_state_of_a_new_process()
     progress_bar._tensorboard_writers.clear()  # this process's, open in it: not the child's to close
-    sys.argv = [os.path.basename(args[0]), *args[1:]]
     code, interrupted = 0, False
     try:
-        cli_main()
+        result = child_main(args)
+        code = result if isinstance(result, int) else 0
     except SystemExit as stop:
         code = _exit_status(stop)
     except BaseException:  # noqa: BLE001 - an uncaught exception, reported as Python reports it
@@ -275,6 +358,50 @@ def _forked_main(cli_main, args, cwd, env) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
+
+
+#: the plugin's settings read from the environment when their module is imported (``NAME =
+#: float(os.environ.get(...))``), {module: attributes}: a forked child reads them again from its
+#: own environment, as a new process would (test_forked_commands checks that the list is whole)
+ENVIRONMENT_SETTINGS = {"fairseq_normplug.experiments.launchers": ("HELD_POLL_S",),
+                        "fairseq_normplug.experiments.ownership": ("HEARTBEAT_S", "STALE_AFTER_S"),
+                        "fairseq_normplug.experiments.processes": ("STOP_GRACE_S",)}
+
+
+def _settings_read_again() -> None:
+    """:data:`ENVIRONMENT_SETTINGS` set again by their module's own assignment statements (its
+    source, so that the defaults are the module's), run in the module with today's environment."""
+    import ast
+    import importlib
+    import inspect
+
+    for name, attributes in ENVIRONMENT_SETTINGS.items():
+        module = importlib.import_module(name)
+        statements = [node for node in ast.parse(inspect.getsource(module)).body
+                      if isinstance(node, (ast.Assign, ast.AnnAssign))
+                      and {getattr(t, "id", None) for t in getattr(node, "targets", [getattr(node, "target", None)])}
+                      & set(attributes)]
+        found = {t.id for node in statements for t in getattr(node, "targets", [getattr(node, "target", None)])}
+        if found != set(attributes):
+            raise RuntimeError(f"{name} no longer sets {sorted(set(attributes) - found)}: update "
+                               "tests/inprocess.py's ENVIRONMENT_SETTINGS")
+        exec(compile(ast.Module(body=statements, type_ignores=[]), module.__file__, "exec"), vars(module))
+
+
+def _plugin_state_of_a_new_process() -> None:
+    """The experiment runner's process-wide state as a new process has it: no fairseq process of
+    its own (``processes._PROCESSES``), no stop signal, real processes for its commands; no run
+    owned (``ownership._OWNED``); its locks new (a thread of this process may hold them); its
+    settings read from the environment (:func:`_settings_read_again`)."""
+    import threading
+
+    from fairseq_normplug.experiments import ownership, processes
+
+    processes._PROCESSES.__init__()  # in place: other modules import it by name
+    processes._COMMAND_STARTER = None
+    ownership._OWNED.clear()
+    ownership._OWNED_LOCK = threading.Lock()
+    _settings_read_again()
 
 
 def _new_process_warnings() -> None:
@@ -305,9 +432,12 @@ def _exit_status(stop: SystemExit) -> int:
     return 1
 
 
-def forked_commands():
+def forked_commands(at_start: Optional[Callable[[], None]] = None):
     """Context manager: the experiment runner's commands started as :class:`ForkedCommand` (the
-    runner's seam, ``experiments/processes.py``'s ``commands_started_by``)."""
+    runner's seam, ``experiments/processes.py``'s ``commands_started_by``), each calling
+    ``at_start`` (if given) before its command."""
+    import functools
+
     from fairseq_normplug.experiments.processes import commands_started_by
 
-    return commands_started_by(ForkedCommand)
+    return commands_started_by(functools.partial(ForkedCommand, at_start=at_start) if at_start else ForkedCommand)

@@ -2,21 +2,24 @@
 tests/inprocess.py's ForkedCommand, which the runner tests choose with forked_commands(): a child
 process forked from the test process, with the pipes, folder, environment, threads, logging,
 signal handling and exit status of a new process. The console script's entry is replaced here
-by a stand-in that reports what it sees (fairseq itself runs this way in test_experiments)."""
+by a stand-in that reports what it sees (fairseq itself runs this way in test_experiments).
+ForkedLauncher, the same fork for a launcher (the runner in a process of its own): its pid,
+session, environment, folder, the runner's state and settings, exit status and stop signals."""
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 
 import inprocess
-from inprocess import ForkedCommand, forked_commands
+from inprocess import ForkedCommand, ForkedLauncher, forked_commands
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments import processes
+from fairseq_normplug.experiments import launchers, ownership, processes
 
 
 def stand_in():
@@ -176,3 +179,126 @@ def test_the_state_inprocess_resets_is_still_where_fairseq_keeps_it():
         source = inspect.getsource(importlib.import_module(module))
         assert all(f"{function}.{attribute} =" in source for attribute in attributes), (module, function)
 
+
+
+# ---- a forked launcher ------------------------------------------------------------------------
+
+def wait_for(condition, timeout=60):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def what_a_launcher_sees():
+    """A launcher's main: what its process is, then ``$LAUNCHER_THEN``'s ending."""
+    print(os.getpid(), os.getpgid(0) == os.getpid(), os.getcwd(), os.environ.get("FORKED_SEEN"),
+          launchers.HELD_POLL_S, ownership.STALE_AFTER_S, processes.STOP_GRACE_S,
+          processes._COMMAND_STARTER is ForkedCommand, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+          processes.stop_requested(), len(processes._PROCESSES.running), len(ownership._OWNED), flush=True)
+    then = os.environ.get("LAUNCHER_THEN", "return 3")
+    if then == "return 3":
+        return 3
+    if then == "exit 4":
+        sys.exit(4)
+    if then == "normplug":
+        raise NormplugError("bad row 'x'; choose from PreNorm")
+    if then == "crash":
+        raise RuntimeError("boom")
+    return None
+
+
+def test_a_forked_launcher_is_a_new_process_with_its_environment_folder_and_the_runners_state(tmp_path):
+    """Its own pid and session; its cwd and env applied, the settings read from the environment
+    at import (NORMPLUG_HELD_POLL, ...) read again from its own; none of this launcher's stop
+    handlers, processes or owned runs; its fairseq commands forked; its exit status main's."""
+    settings = launchers.HELD_POLL_S, ownership.STALE_AFTER_S, processes.STOP_GRACE_S
+    owner = ownership.RunOwnership(str(tmp_path))
+    assert owner.acquire() is None  # a run this process owns: not the child's
+    try:
+        with processes.stop_signals_forwarded():
+            proc = ForkedLauncher(what_a_launcher_sees, stdout=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                                  start_new_session=True,
+                                  env={**os.environ, "FORKED_SEEN": "yes", "NORMPLUG_HELD_POLL": "0.25",
+                                       "NORMPLUG_LOCK_TIMEOUT": "7", "NORMPLUG_STOP_GRACE": "2"})
+            out, _ = proc.communicate(timeout=60)
+    finally:
+        owner.release()
+    assert proc.returncode == 3 and proc.pid != os.getpid()
+    assert out.split() == [str(proc.pid), "True", str(tmp_path), "yes", "0.25", "7.0", "2.0", "True", "True",
+                           "None", "0", "0"]
+    assert (launchers.HELD_POLL_S, ownership.STALE_AFTER_S, processes.STOP_GRACE_S) == settings  # as they were
+    assert "FORKED_SEEN" not in os.environ and processes._COMMAND_STARTER is None
+
+
+@pytest.mark.parametrize("then,code,stderr_end", [
+    ("end", 0, ""), ("exit 4", 4, ""),
+    ("normplug", 2, "fairseq-normplug: error: bad row 'x'; choose from PreNorm\n"),
+    ("crash", 1, "RuntimeError: boom\n"),
+])
+def test_a_forked_launcher_exits_as_its_process_would(then, code, stderr_end):
+    proc = ForkedLauncher(what_a_launcher_sees, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "LAUNCHER_THEN": then})
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code and err.endswith(stderr_end), err
+
+
+def launcher_with_a_sleeping_command():
+    """A launcher's main: the runner's seam starts a fairseq-train (the stand-in, sleeping) inside
+    its stop forwarding; on a stop, what the command ended with."""
+    run = types.SimpleNamespace(run_dir=os.getcwd())
+    try:
+        with processes.stop_signals_forwarded():
+            with processes.run_process(run, "trainer", ["fairseq-train"], stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, text=True,
+                                       env={**os.environ, "FORKED_THEN": "sleep"}) as command:
+                command.stdout.readline()  # what it sees
+                print(type(command).__name__, command.pid, command.stdout.readline().split()[-1],
+                      command.stdout.readline().strip(), flush=True)
+                command.wait()
+    except processes.LauncherStopped as stop:
+        print(stop, command.returncode, flush=True)
+        return 5
+    return 0
+
+
+def test_killing_a_forked_launchers_group_kills_its_commands(entry_replaced, tmp_path):
+    proc = ForkedLauncher(launcher_with_a_sleeping_command, stdout=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                          start_new_session=True)
+    kind, command_pid, log, sleeping = proc.stdout.readline().split()
+    assert (kind, log, sleeping) == ("ForkedCommand", "record", "sleeping")  # forked, and it runs
+    assert os.getpgid(int(command_pid)) == proc.pid  # in the launcher's group
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    wait_for(lambda: not ownership.pid_alive(int(command_pid)))
+
+
+def test_a_stop_signal_reaches_the_forked_launchers_handler(entry_replaced, tmp_path):
+    """SIGTERM to the launcher: the runner's handler forwards it to its command and raises
+    LauncherStopped; the test process's own handlers are untouched."""
+    proc = ForkedLauncher(launcher_with_a_sleeping_command, stdout=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                          start_new_session=True)
+    assert proc.stdout.readline().split()[0] == "ForkedCommand"
+    handler = signal.getsignal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 5 and out == f"stopped by SIGTERM {-signal.SIGTERM}\n"
+    assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_every_setting_read_from_the_environment_at_import_is_read_again_in_a_forked_child():
+    """Fails when a module of the plugin reads a new setting from the environment at import
+    (add it to inprocess.ENVIRONMENT_SETTINGS)."""
+    import ast
+    import pathlib
+
+    import fairseq_normplug
+
+    found = {}
+    for path in pathlib.Path(fairseq_normplug.__file__).parent.rglob("*.py"):
+        module = ".".join(path.relative_to(pathlib.Path(fairseq_normplug.__file__).parent.parent).with_suffix("").parts)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and "os.environ" in ast.unparse(node.value or ast.Constant()):
+                targets = getattr(node, "targets", None) or [node.target]
+                found.setdefault(module, set()).update(t.id for t in targets)
+    assert found == {module: set(names) for module, names in inprocess.ENVIRONMENT_SETTINGS.items()}

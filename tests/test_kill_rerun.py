@@ -2,28 +2,31 @@
 process group, as a scheduler kills a job) at four points in turn: during training, while a
 checkpoint is copied, during test decoding, while results.csv is written. It is re-run after
 each with the same command and ends with the results.csv (and scores.json) of an
-uninterrupted run: the same selected update, dev and test BLEU to the last digit. The kill
-points are hit deterministically by a test-only ``sitecustomize`` hook on the subprocesses'
-PYTHONPATH. The repair rules of :mod:`fairseq_normplug.checkpoint_safety` are also checked
-one by one on small files."""
+uninterrupted run: the same selected update, dev and test BLEU to the last digit. Each job is
+a forked launcher (tests/inprocess.py's ForkedLauncher) in a session of its own, its fairseq
+commands forked from it; the kill points are hit deterministically by the test-only patches of
+tests/fault_hooks.py, installed in the job's fairseq commands. The repair rules of
+:mod:`fairseq_normplug.checkpoint_safety` are also checked one by one on small files."""
 import csv
+import functools
 import glob
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
+import fault_hooks
 from conftest import REPO
+from inprocess import ForkedLauncher
 from fairseq_normplug import checkpoint_safety
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.configs import CONFIG_DIR
+from fairseq_normplug.experiments import tables
+from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
+from fairseq_normplug.experiments.reproduce import run_table
 
 TABLE = {
     "title": "One tiny row, killed and re-run",
@@ -39,152 +42,12 @@ RECIPE = {"base": "cpu_tiny", "generate": {"--max-tokens": "6000", "--batch-size
                     "--norm-stats-interval": "10"}}
 RUN = ("runs", "kill", "src-tgt", "prenorm-fixnorm-scalenorm")
 
-KILL_HOOK = '''
-"""Test-only (tests/test_kill_rerun.py): with NORMPLUG_KILL_AT=POINT set, SIGKILL this
-process group at POINT; the module named in PATCHES is patched right after its import.
-  update:N          after training update N (fairseq-train)
-  copy:NAME:N       half-way through copying the save of update N to NAME (fairseq-train)
-  generate:N        at the N-th batch of fairseq-generate
-  write:NAME        half-way through writing NAME (experiments.tables.write_text_atomic)
-"""
-import importlib.machinery
-import os
-import re
-import signal
-import sys
-
-
-def point():
-    return os.environ.get("NORMPLUG_KILL_AT", "").split(":")
-
-
-def kill():
-    os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def after_update(module):
-    step = module.Trainer.train_step
-
-    def train_step(self, *args, **kwargs):
-        out = step(self, *args, **kwargs)
-        if self.get_num_updates() == int(point()[1]):
-            kill()
-        return out
-    module.Trainer.train_step = train_step
-
-
-def during_copy(module):
-    copy = module.PathManager.copy
-
-    def half_copy(src, dst, overwrite=False):
-        if os.path.basename(dst) == point()[1] and re.search(rf"_{point()[2]}\\.pt$", src):
-            with open(src, "rb") as f:
-                data = f.read()
-            with open(dst, "wb") as f:
-                f.write(data[: len(data) // 2])
-            kill()
-        return copy(src, dst, overwrite=overwrite)
-    module.PathManager.copy = staticmethod(half_copy)
-
-
-def during_decoding(module):
-    if not sys.argv[0].endswith("fairseq-generate"):
-        return
-    step, calls = module.FairseqTask.inference_step, []  # one call per batch, whichever generator
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == int(point()[1]):
-            kill()
-        return step(self, *args, **kwargs)
-    module.FairseqTask.inference_step = counted
-
-
-def during_write(module):
-    from fairseq_normplug.atomic_files import atomic_output
-
-    write = module.write_text_atomic
-
-    def half_write(path, text):
-        if os.path.basename(path) == point()[1]:
-            with atomic_output(path) as tmp:
-                with open(tmp, "w", encoding="utf-8") as f:
-                    f.write(text[: len(text) // 2])
-                kill()
-        return write(path, text)
-    module.write_text_atomic = half_write
-
-
-PATCHES = {"update": ("fairseq.trainer", after_update), "copy": ("fairseq.file_io", during_copy),
-           "generate": ("fairseq.tasks.fairseq_task", during_decoding)}
-
-
-class PatchAfterImport:
-    def __init__(self, name, patch):
-        self.name, self.patch = name, patch
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            self.patch(module)
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
-if point()[0] in PATCHES:
-    sys.meta_path.insert(0, PatchAfterImport(*PATCHES[point()[0]]))
-'''
-
-#: One process imports the runner once, then forks one job per line of stdin ({"name",
-#: "kill_at"}): the job is its own process group (as a scheduler's job), runs the table with
-#: NORMPLUG_KILL_AT set for it and its fairseq subprocesses; the job's pid, then its exit
-#: code, come back as lines.
-JOBS = textwrap.dedent("""
-    import json, os, sys, traceback
-    import sitecustomize
-    from fairseq_normplug.experiments import tables
-    from fairseq_normplug.experiments.configs import load_table
-    from fairseq_normplug.experiments.reproduce import run_table
-    root = sys.argv[1]
-    for line in sys.stdin:
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            os.setsid()
-            out = os.open(os.path.join(root, job["name"] + ".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-            os.dup2(out, 1)
-            os.dup2(out, 2)
-            os.environ.pop("NORMPLUG_KILL_AT", None)
-            if job["kill_at"]:
-                os.environ["NORMPLUG_KILL_AT"] = job["kill_at"]
-            if job["kill_at"].startswith("write:"):
-                sitecustomize.during_write(tables)
-            code = 0
-            try:
-                folder = os.path.join(root, job["name"])
-                run_table(load_table("kill", os.path.join(root, "configs")), ["src-tgt"],
-                          {"src-tgt": os.path.join(root, "data")}, os.path.join(folder, "runs"),
-                          os.path.join(folder, "results"))
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            sys.stdout.flush()
-            os._exit(code)
-        print(pid, flush=True)
-        print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-""")
 JOB_TIMEOUT = 300
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_raw, tiny_bin, tmp_path_factory):
-    """A prepared data folder (the shared tiny corpus), the table's configs and the hook."""
+    """A prepared data folder (the shared tiny corpus) and the table's configs."""
     root = tmp_path_factory.mktemp("kill")
     data = root / "data"
     shutil.copytree(tiny_bin, data / "bin")
@@ -197,38 +60,42 @@ def setup(tiny_raw, tiny_bin, tmp_path_factory):
     recipes["kill_tiny"] = RECIPE
     (configs / "recipes.json").write_text(json.dumps(recipes))
     (configs / "experiments" / "kill.json").write_text(json.dumps(TABLE))
-    os.makedirs(root / "hook")
-    (root / "hook" / "sitecustomize.py").write_text(KILL_HOOK)
     return root
+
+
+def job_main(root, name, kill_at):
+    """A job's work: the table run into ``root``/``name``, its results.csv write cut at
+    ``write:NAME`` (the other kill points are in its fairseq commands)."""
+    if kill_at.startswith("write:"):
+        fault_hooks.during_write(tables)
+    folder = os.path.join(root, name)
+    run_table(load_table("kill", os.path.join(root, "configs")), ["src-tgt"], {"src-tgt": os.path.join(root, "data")},
+              os.path.join(folder, "runs"), os.path.join(folder, "results"))
 
 
 @pytest.fixture(scope="module")
 def jobs(setup):
-    """``run(name, kill_at)``: the table as one job (see JOBS); its exit code (-9: killed)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(setup / "hook"), REPO])}
+    """``run(name, kill_at)``: the table as one job, a forked launcher in a session of its own (as a
+    scheduler's job; tests/inprocess.py's ForkedLauncher), with NORMPLUG_KILL_AT set for it and
+    its forked fairseq commands (tests/fault_hooks.py installed in each); its exit code (-9:
+    killed). Its output goes to ``name``.log."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("NORMPLUG_KILL_AT", None)
-    proc = subprocess.Popen([sys.executable, "-c", JOBS, str(setup)], env=env, cwd=REPO, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-
-    def answer(pid=None):
-        ready, _, _ = select.select([proc.stdout], [], [], JOB_TIMEOUT)
-        if not ready:
-            if pid:
-                os.killpg(pid, signal.SIGKILL)
-            raise AssertionError(f"no answer from the job runner in {JOB_TIMEOUT} s")
-        line = proc.stdout.readline()
-        assert line, f"the job runner died (exit {proc.wait()})"
-        return int(line)
 
     def run(name, kill_at=""):
-        proc.stdin.write(json.dumps({"name": name, "kill_at": kill_at}) + "\n")
-        proc.stdin.flush()
-        return answer(answer())
+        with open(setup / f"{name}.log", "a") as log:
+            proc = ForkedLauncher(functools.partial(job_main, str(setup), name, kill_at), stdout=log,
+                                  stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                  env={**env, **({"NORMPLUG_KILL_AT": kill_at} if kill_at else {})},
+                                  at_start=fault_hooks.install)
+        try:
+            return proc.wait(timeout=JOB_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"the job did not end in {JOB_TIMEOUT} s")
 
-    yield run
-    proc.stdin.close()
-    proc.wait(timeout=60)
+    return run
 
 
 def _log(root, name):

@@ -17,8 +17,8 @@ import types
 
 import pytest
 
+import fault_hooks
 from conftest import REPO
-from test_kill_rerun import KILL_HOOK
 from test_trust import reference, trust  # noqa: F401 (fixtures)
 from test_trust import finish, launcher_here, run_dir, start_launcher, table_csv, wait_for, write_lock
 from fairseq_normplug.experiments import ownership, runner, single_run
@@ -180,55 +180,10 @@ def test_a_stopped_launcher_with_parallel_runs_ends_them_all_and_starts_no_other
 
 # --------------------------------------------------------------------------- fault tests
 
-#: test-only, added to test_kill_rerun's hook: with NORMPLUG_TEST_PAUSE_AT=update:N (after
+#: tests/fault_hooks.py as a sitecustomize: with NORMPLUG_TEST_PAUSE_AT=update:N (after
 #: fairseq-train's update N) or generate:N (fairseq-generate's N-th batch), the process writes
 #: its pid to $NORMPLUG_TEST_PAUSED and waits there until a signal ends it
-PAUSE_HOOK = KILL_HOOK + '''
-
-import time
-
-
-def pause_point():
-    return os.environ.get("NORMPLUG_TEST_PAUSE_AT", "").split(":")
-
-
-def pause():
-    with open(os.environ["NORMPLUG_TEST_PAUSED"] + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.replace(os.environ["NORMPLUG_TEST_PAUSED"] + ".tmp", os.environ["NORMPLUG_TEST_PAUSED"])
-    while True:
-        time.sleep(0.1)
-
-
-def pause_after_update(module):
-    step = module.Trainer.train_step
-
-    def train_step(self, *args, **kwargs):
-        out = step(self, *args, **kwargs)
-        if self.get_num_updates() == int(pause_point()[1]):
-            pause()
-        return out
-    module.Trainer.train_step = train_step
-
-
-def pause_in_decoding(module):
-    if not sys.argv[0].endswith("fairseq-generate"):
-        return
-    step, calls = module.FairseqTask.inference_step, []
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == int(pause_point()[1]):
-            pause()
-        return step(self, *args, **kwargs)
-    module.FairseqTask.inference_step = counted
-
-
-PAUSES = {"update": ("fairseq.trainer", pause_after_update),
-          "generate": ("fairseq.tasks.fairseq_task", pause_in_decoding)}
-if pause_point()[0] in PAUSES:
-    sys.meta_path.insert(0, PatchAfterImport(*PAUSES[pause_point()[0]]))
-'''
+PAUSE_HOOK = fault_hooks.SITECUSTOMIZE
 
 
 def pause_hook(root):
@@ -241,18 +196,12 @@ def pause_hook(root):
 
 
 def start_paused_launcher(trust, out, name, pause_at):
-    """test_trust's launcher of the PreNorm row on ``out``/runs, its fairseq process held at
-    ``pause_at`` (PAUSE_HOOK); the file its held process writes its pid to."""
-    root, configs, data = trust
-    hook = pause_hook(root)
-    paused = root / f"{name}.paused"
-    log = open(root / f"{name}.log", "w")
-    proc = subprocess.Popen([sys.executable, str(root / "launcher.py"), configs, "trust", data,
-                             str(root / out / "runs"), str(root / out / f"{name}-results"), "PreNorm"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_TEST_PAUSE_AT": pause_at,
-                                 "NORMPLUG_TEST_PAUSED": str(paused),
-                                 "PYTHONPATH": os.pathsep.join([str(hook), REPO])})
+    """test_trust's launcher (forked) of the PreNorm row on ``out``/runs, its fairseq process held
+    at ``pause_at`` (tests/fault_hooks.py's pause, installed in its forked fairseq commands); the
+    file its held process writes its pid to."""
+    paused = trust[0] / f"{name}.paused"
+    proc = start_launcher(trust, out, name, rows=["PreNorm"], at_start=fault_hooks.install,
+                          env={"NORMPLUG_TEST_PAUSE_AT": pause_at, "NORMPLUG_TEST_PAUSED": str(paused)})
     return proc, paused
 
 

@@ -20,8 +20,8 @@ import time
 import pytest
 
 from conftest import REPO, write_configs
-from inprocess import forked_commands, run_fairseq
-from test_kill_rerun import KILL_HOOK
+import fault_hooks
+from inprocess import ForkedLauncher, forked_commands, run_fairseq
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers, ownership, preflight, reproduce, runner
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
@@ -58,26 +58,6 @@ LAUNCHER = textwrap.dedent("""
     results = run_table(load_table(table, configs), ["src-tgt"], {"src-tgt": data}, runs, results, rows)
     sys.exit(1 if results.failed else 0)
 """)
-
-#: test-only, added to test_kill_rerun's hook: with NORMPLUG_TEST_ENOSPC_AT=N, fairseq-train's
-#: save of update N writes half the checkpoint and fails as a full disk does (OSError ENOSPC)
-ENOSPC_HOOK = KILL_HOOK + textwrap.dedent('''
-    import errno, io
-
-    def full_disk(module):
-        def full_disk_save(obj, f):
-            if obj["optimizer_history"][-1]["num_updates"] == int(os.environ["NORMPLUG_TEST_ENOSPC_AT"]):
-                data = io.BytesIO()
-                module.torch.save(obj, data)
-                f.write(data.getvalue()[: len(data.getvalue()) // 2])
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return module.torch.save(obj, f)
-        module._torch_persistent_save = full_disk_save
-
-    if os.environ.get("NORMPLUG_TEST_ENOSPC_AT"):
-        sys.meta_path.insert(0, PatchAfterImport("fairseq.checkpoint_utils", full_disk))
-''')
-
 
 @pytest.fixture(scope="module")
 def trust(tiny_raw, tiny_bin, tmp_path_factory):
@@ -130,8 +110,8 @@ def run_dir(out, slug):
 @pytest.fixture(scope="module")
 def reference(trust):
     """The two-row table, uninterrupted, by one launcher in this process, its fairseq commands in
-    forked children (tests/inprocess.py's forked_commands); the launchers of the tests below,
-    real processes, must give the same table."""
+    forked children (tests/inprocess.py's forked_commands); the launchers of the tests below
+    (two real processes, the others forked launchers) must give the same table."""
     root, configs, data = trust
     out = root / "reference"
     with forked_commands():
@@ -141,15 +121,28 @@ def reference(trust):
     return table_csv(out)
 
 
-def start_launcher(trust, out, name, rows=()):
+def start_launcher(trust, out, name, rows=(), real=False, env=(), at_start=None):
     """A launcher of the two-row table (or of its ``rows``) on the runs folder ``out``/runs; its
-    results go to ``out``/``name``-results, its output to ``name``.log."""
+    results go to ``out``/``name``-results, its output to ``name``.log; in a session of its own.
+    It is a forked child of this process (tests/inprocess.py's ForkedLauncher: launcher.py's
+    work, its fairseq commands forked from it, each calling ``at_start`` first), or with ``real``
+    launcher.py in a new Python, its fairseq commands real ones too. ``env``: more variables."""
     root, configs, data = trust
     log = open(root / f"{name}.log", "w")
-    return subprocess.Popen([sys.executable, str(root / "launcher.py"), configs, "trust", data, str(root / out / "runs"),
-                             str(root / out / f"{name}-results"), *rows],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_HELD_POLL": "0.3"})
+    argv = [configs, "trust", data, str(root / out / "runs"), str(root / out / f"{name}-results"), *rows]
+    options = dict(stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1", "NORMPLUG_HELD_POLL": "0.3", **dict(env)})
+    if real:
+        return subprocess.Popen([sys.executable, str(root / "launcher.py"), *argv], **options)
+    return ForkedLauncher(lambda: launcher_main(argv), args=[str(root / "launcher.py"), *argv], at_start=at_start,
+                          **options)
+
+
+def launcher_main(argv) -> int:
+    """What LAUNCHER does with its command line ``argv``: its exit status."""
+    configs, table, data, runs, results, *rows = argv
+    results = reproduce.run_table(load_table(table, configs), ["src-tgt"], {"src-tgt": data}, runs, results, rows)
+    return 1 if results.failed else 0
 
 
 def launcher_here(trust, out, name, rows=()) -> int:
@@ -202,7 +195,9 @@ def assert_trained_once_by_two(root, out, names, reference):
 
 @pytest.mark.slow
 def test_two_launchers_started_at_once_train_each_run_once(trust, reference):
-    procs = [start_launcher(trust, "once", name) for name in ("once-a", "once-b")]
+    """Two real launcher processes (launcher.py in a new Python each, real fairseq commands): the
+    one test of the launchers' real path; the others fork theirs."""
+    procs = [start_launcher(trust, "once", name, real=True) for name in ("once-a", "once-b")]
     assert [finish(proc) for proc in procs] == [0, 0]
     assert_trained_once_by_two(trust[0], "once", ("once-a", "once-b"), reference)
 
@@ -313,12 +308,9 @@ def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resume
     is written, exit 1; the re-run drops the half-written file, resumes from update 5 and ends
     with the uninterrupted run's numbers."""
     root = trust[0]
-    hook = root / "enospc-hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(ENOSPC_HOOK)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("NORMPLUG_TEST_ENOSPC_AT", "10")
-    code, lines = main_of("trust", "full", "--rows", "PreNorm")
+    with forked_commands(at_start=fault_hooks.install):  # the fault in its forked fairseq-train
+        code, lines = main_of("trust", "full", "--rows", "PreNorm")
     assert code == 1
     folder = root / "full" / "runs" / "trust" / "src-tgt" / "prenorm"
     status = json.loads((folder / "status.json").read_text())
@@ -329,7 +321,8 @@ def test_a_disk_full_during_a_checkpoint_save_fails_the_run_and_the_rerun_resume
     assert table_csv(root / "full")[0]["status"] == "failed"
     assert list((folder / "checkpoints").glob("*.tmp"))  # the cut save
     monkeypatch.delenv("NORMPLUG_TEST_ENOSPC_AT")
-    code, lines = main_of("trust", "full", "--rows", "PreNorm")
+    with forked_commands(at_start=fault_hooks.install):
+        code, lines = main_of("trust", "full", "--rows", "PreNorm")
     assert code == 0 and any("removed" in line and ".tmp" in line for line in lines)
     assert any(line.endswith("PreNorm] training (resuming); log: " + str(folder / "train.log")) for line in lines)
     assert table_csv(root / "full") == reference[:1]

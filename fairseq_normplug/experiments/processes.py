@@ -116,9 +116,12 @@ def stop_signals_forwarded() -> Iterator[None]:
         _PROCESSES.stop_signal = None  # every process of the block has ended: the next block starts afresh
 
 
-def end_process(proc: subprocess.Popen, signum: int = signal.SIGTERM, grace_s: float = STOP_GRACE_S) -> None:
+def end_process(proc: subprocess.Popen, signum: int = signal.SIGTERM, grace_s: Optional[float] = None) -> None:
     """End ``proc`` (a stopped or failed run's fairseq process): ``signum`` unless it was
-    forwarded already, reading what it still writes, SIGKILL after ``grace_s`` seconds."""
+    forwarded already, reading what it still writes, SIGKILL after ``grace_s`` seconds (None:
+    :data:`STOP_GRACE_S`, as it is when called)."""
+    if grace_s is None:
+        grace_s = STOP_GRACE_S
     if proc.poll() is None and _PROCESSES.stop_signal is None:
         try:
             proc.send_signal(signum)
