@@ -331,3 +331,13 @@ def test_bench_train_smoke(tmp_path):
     with pytest.raises(SystemExit) as refused:  # a reference that is not benchmarked
         bench_train.main(["--variants", "stock,off", "--also-against", "prenorm", "--out", str(out)])
     assert refused.value.code == 2
+
+
+def test_bench_train_refuses_data_that_is_not_binarized(tmp_path, capsys):
+    from fairseq_normplug.bench import bench_train
+
+    with pytest.raises(SystemExit) as refused:
+        bench_train.main(["--data", str(tmp_path), "--out", str(tmp_path / "b.md")])
+    assert refused.value.code == 2
+    assert f"--data {tmp_path} is not a binarized corpus" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # refused before any work
