@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -183,7 +183,7 @@ def run_bench_norms(report: Report, cfg: Dict, device: torch.device, workdir: st
 
 
 def run_bench_train(report: Report, cfg: Dict, device: torch.device, workdir: str,
-                    deadline: Deadline, corpus: str = None) -> None:
+                    deadline: Deadline, corpus: Optional[str] = None) -> None:
     """``bench/bench_train.py`` on ``corpus`` (the check's binarized corpus; without one,
     its synthetic corpus of ``cfg["train_pairs"]`` pairs in ``workdir``)."""
     out = os.path.join(workdir, "bench_train.md")
