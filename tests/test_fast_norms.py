@@ -307,17 +307,20 @@ def test_bench_norms_bad_rounds():
 
 
 @pytest.mark.slow
-def test_bench_train_smoke(tmp_path):
+def test_bench_train_smoke(tiny_bin, tmp_path):
+    """On the session's binarized corpus (--data): no synthetic corpus made, no fairseq-preprocess
+    process (prepare_data's command is tested in test_fairseq_commands.py)."""
     from fairseq_normplug.bench import bench_train
 
     out = tmp_path / "bench_train.md"
     text = bench_train.main([
         "--variants", "stock,off,scalenorm", "--reps", "1", "--max-update", "4",
-        "--skip-updates", "1", "--log-interval", "1", "--train-pairs", "300",
+        "--skip-updates", "1", "--log-interval", "1", "--data", tiny_bin,
         "--max-tokens", "512", "--workdir", str(tmp_path / "work"), "--out", str(out),
         "--also-against", "off",
     ])
     assert out.read_text() == text
+    assert f"corpus {tiny_bin})" in text and not os.path.exists(tmp_path / "work")
     for variant in ["stock", "off", "scalenorm"]:
         assert f"| {variant} " in text
     runs = json.loads((tmp_path / "bench_train.json").read_text())["runs"]
@@ -331,3 +334,13 @@ def test_bench_train_smoke(tmp_path):
     with pytest.raises(SystemExit) as refused:  # a reference that is not benchmarked
         bench_train.main(["--variants", "stock,off", "--also-against", "prenorm", "--out", str(out)])
     assert refused.value.code == 2
+
+
+def test_bench_train_refuses_data_that_is_not_binarized(tmp_path, capsys):
+    from fairseq_normplug.bench import bench_train
+
+    with pytest.raises(SystemExit) as refused:
+        bench_train.main(["--data", str(tmp_path), "--out", str(tmp_path / "b.md")])
+    assert refused.value.code == 2
+    assert f"--data {tmp_path} is not a binarized corpus" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)  # refused before any work

@@ -7,19 +7,18 @@ import sys
 import pytest
 import torch
 
-from conftest import run_cli
 from fairseq_normplug.bench import gpu_check
 from fairseq_normplug.bench.gpu_check import Deadline, Report
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without a CUDA device")
-def test_refuses_in_one_line_without_cuda(tmp_path):
-    proc = run_cli([sys.executable, "-m", "fairseq_normplug.bench.gpu_check", "--out",
-                    str(tmp_path / "r.md")], check=False, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-    assert "no CUDA device" in proc.stderr and "--device cpu" in proc.stderr
+def test_refuses_in_one_line_without_cuda(tmp_path, capsys):
+    """In this process: the exit status is main's return value (``sys.exit(main())``)."""
+    returncode = gpu_check.main(["--out", str(tmp_path / "r.md")])
+    stderr = capsys.readouterr().err
+    assert returncode == 2
+    assert stderr.strip().splitlines() == [stderr.strip()]
+    assert "no CUDA device" in stderr and "--device cpu" in stderr
     assert not os.listdir(tmp_path)
 
 
@@ -70,6 +69,8 @@ def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path):
     assert bench["rmsnorm 4x2x16 bfloat16"]["f+b/LN"] > 0
     trains = {c["name"]: c["numbers"] for c in by_section["bench_train"]}
     assert trains["stock"]["vs_stock"] == 1.0 and trains["off"]["tok_s"] > 0
+    # bench_train trained on the check's corpus (--data), not on a second one of its own
+    assert not [n for n in os.listdir(tmp_path / "work") if n.startswith(("data-bin", "raw-"))]
 
     assert "**PASS**" in text
     for section in gpu_check.SECTIONS:

@@ -116,16 +116,18 @@ def isolated_env(venv, root) -> dict:
 @pytest.mark.slow
 def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_bin, tmp_path):
     venv, site, env = fresh_venv
-    user_dir = run_cli(["fairseq-normplug-path"], cwd=str(tmp_path), env=env, timeout=60).stdout.strip()
-    assert user_dir == os.path.join(site, "fairseq_normplug")
-    assert os.path.isfile(os.path.join(user_dir, "modules", "csrc", "norm_kernels.cpp"))
-    script = ('python -m fairseq_cli.train "$DATA" --user-dir "$(fairseq-normplug-path)" '
+    # fairseq-normplug-path once (a process that imports the plugin): printed, then given to fairseq-train
+    script = ('USER_DIR="$(fairseq-normplug-path)" && echo "$USER_DIR" && '
+              'python -m fairseq_cli.train "$DATA" --user-dir "$USER_DIR" '
               "--arch transformer_normplug_tiny --prenorm --scalenorm --optimizer adam --lr 1e-3 "
               "--max-tokens 1000 --max-update 3 --cpu --num-workers 0 --no-save --disable-validation "
               "--log-format json --log-interval 1 && "
               'python -c "from importlib.util import find_spec as f; print(f(\'fairseq_normplug\').origin); '
               'print(f(\'fairseq\').origin)"')  # where they are imported from (without importing)
     proc = run_cli(["bash", "-c", script], cwd=str(tmp_path), env={**env, "DATA": tiny_bin}, timeout=900)
+    user_dir = proc.stdout.splitlines()[0].strip()
+    assert user_dir == os.path.join(site, "fairseq_normplug")
+    assert os.path.isfile(os.path.join(user_dir, "modules", "csrc", "norm_kernels.cpp"))
     log = proc.stdout + proc.stderr
     records = [json.loads(line.split("| train | ", 1)[1]) for line in log.splitlines() if "| train | " in line]
     assert records and records[-1]["train_num_updates"] == "3"

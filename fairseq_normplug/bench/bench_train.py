@@ -19,6 +19,7 @@ maximum resident memory (CPU memory; on a GPU the device memory is not covered).
 divide by stock's figure of the same repetition, then take the median over repetitions.
 """
 import argparse
+import glob
 import os
 import subprocess
 import time
@@ -166,7 +167,11 @@ def main(argv=None) -> str:
                         help="updates left out of the throughput (start-up, compilation)")
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--max-tokens", type=int, default=1024)
-    parser.add_argument("--train-pairs", type=int, default=20000)
+    parser.add_argument("--train-pairs", type=int, default=20000,
+                        help="pairs of the synthetic corpus made in --workdir (without --data)")
+    parser.add_argument("--data", default=None, metavar="DIR",
+                        help="a binarized translation corpus of your own (fairseq-preprocess's "
+                             "output, e.g. the GPU check's) instead of the synthetic one")
     parser.add_argument("--threads", type=int, default=0,
                         help="OMP_NUM_THREADS of the training processes (default: torch's "
                              "choice; 1 is steadier when other processes share the CPUs)")
@@ -185,8 +190,11 @@ def main(argv=None) -> str:
     if unknown or not set(references) <= set(variants):
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}" if unknown
                      else f"variants must include stock and every --also-against variant ({', '.join(references)})")
+    if args.data and not glob.glob(os.path.join(args.data, "dict.*.txt")):
+        parser.error(f"--data {args.data} is not a binarized corpus (no dict.*.txt in it); give "
+                     "fairseq-preprocess's --destdir, or leave --data out for the synthetic corpus")
     steady_allocator_env()  # for the training processes: same settings for every variant
-    data = prepare_data(args.workdir, args.train_pairs)
+    data = args.data or prepare_data(args.workdir, args.train_pairs)
     load_before = load_average()
     others = OtherProcesses()
     runs: Dict[str, List[Dict]] = {v: [] for v in variants}
@@ -219,12 +227,13 @@ def main(argv=None) -> str:
     header = ["variant", "tok/s (median)", "tok/s per rep", "vs stock", "peak RSS MB",
               "RSS vs stock", "start s", "min CPU share",
               *[column for reference in references[1:] for column in (f"vs {reference}", f"RSS vs {reference}")]]
+    corpus = f"corpus {args.data}" if args.data else f"synthetic corpus of {args.train_pairs} pairs"
     head = [
         "# Training throughput: stock transformer vs the plugin",
         "",
         f"{machine_line()}; {args.reps} alternating repetitions of {args.max_update} updates "
-        f"(--max-tokens {args.max_tokens}, d=256 3+3 layers, synthetic corpus of "
-        f"{args.train_pairs} pairs), throughput over updates {args.skip_updates + 1}-"
+        f"(--max-tokens {args.max_tokens}, d=256 3+3 layers, {corpus}), throughput over updates "
+        f"{args.skip_updates + 1}-"
         f"{args.max_update}, {args.threads or torch.get_num_threads()} threads per run; "
         f"load average {load_before:.2f} at start; other processes used "
         f"{100 * (other_share or 0):.0f}% of the CPUs during the run.",

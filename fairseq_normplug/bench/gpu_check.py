@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -183,11 +183,14 @@ def run_bench_norms(report: Report, cfg: Dict, device: torch.device, workdir: st
 
 
 def run_bench_train(report: Report, cfg: Dict, device: torch.device, workdir: str,
-                    deadline: Deadline) -> None:
+                    deadline: Deadline, corpus: Optional[str] = None) -> None:
+    """``bench/bench_train.py`` on ``corpus`` (the check's binarized corpus; without one,
+    its synthetic corpus of ``cfg["train_pairs"]`` pairs in ``workdir``)."""
     out = os.path.join(workdir, "bench_train.md")
+    source = ["--data", corpus] if corpus else ["--train-pairs", str(cfg["train_pairs"])]
     data = run_benchmark("fairseq_normplug.bench.bench_train",
-                         ["--device", device.type, "--workdir", workdir, "--train-pairs",
-                          str(cfg["train_pairs"]), *cfg["bench_train"]], out, deadline)
+                         ["--device", device.type, "--workdir", workdir, *source,
+                          *cfg["bench_train"]], out, deadline)
     stock = data["runs"]["stock"]
     for variant, runs in data["runs"].items():
         ratio = [r["wps"] / s["wps"] for r, s in zip(runs, stock)]
@@ -210,7 +213,7 @@ def run(args) -> Report:
 
     data = args.data
     if data is None and ({"train_half", "generate"} & set(sections)):
-        data = prepare_data(workdir, cfg["train_pairs"])  # bench_train reuses it
+        data = prepare_data(workdir, cfg["train_pairs"])  # bench_train trains on it too
 
     trainer = None
     checkpoint = os.path.join(workdir, "checkpoints", f"{FIXNORM_ROW}-{precisions[0]}",
@@ -244,11 +247,14 @@ def run(args) -> Report:
         guarded(report, "generate", "section",
                 lambda: run_generate(report, data, checkpoint, args.generate_precision, device,
                                      Deadline(budget * SHARES["generate"])))
-    for section, fn in (("bench_norms", run_bench_norms), ("bench_train", run_bench_train)):
-        if section in sections:
-            deadline = Deadline(budget * SHARES[section])
-            guarded(report, section, "section",
-                    lambda fn=fn, deadline=deadline: fn(report, cfg, device, workdir, deadline))
+    if "bench_norms" in sections:
+        deadline = Deadline(budget * SHARES["bench_norms"])
+        guarded(report, "bench_norms", "section",
+                lambda: run_bench_norms(report, cfg, device, workdir, deadline))
+    if "bench_train" in sections:
+        deadline = Deadline(budget * SHARES["bench_train"])
+        guarded(report, "bench_train", "section",
+                lambda: run_bench_train(report, cfg, device, workdir, deadline, data))
     return report
 
 
