@@ -86,6 +86,20 @@ def _entry_point(command: str):
     return cli_main
 
 
+def _command_entry(args):
+    """``(cli_main, argv)`` of the command line ``args``: a fairseq console script's
+    (:func:`_entry_point`, ``argv`` = ``args``), or for ``python -m MODULE ARG...`` the module's
+    ``main(argv)`` called with its arguments (``argv`` = ``[MODULE, ARG...]``, as ``sys.argv``)."""
+    if len(args) >= 3 and args[1] == "-m":
+        import importlib
+
+        module = importlib.import_module(args[2])
+        if not callable(getattr(module, "main", None)):
+            raise ValueError(f"python -m {args[2]}: the module has no main(argv) to run in a fork")
+        return (lambda: module.main(sys.argv[1:])), args[2:]
+    return _entry_point(os.path.basename(args[0])), args
+
+
 @contextlib.contextmanager
 def _environment(env: Optional[Dict[str, Optional[str]]]):
     """``os.environ`` updated by ``env`` (None: unset) for the block, then restored."""
@@ -257,7 +271,8 @@ class ForkedProcess(subprocess.Popen):
 
 class ForkedCommand(ForkedProcess):
     """``subprocess.Popen(command, ...)`` of a fairseq console script (``command[0]``: ``fairseq-train``,
-    ``fairseq-generate``, ... bare or as a path) whose child is a fork of this process running the
+    ``fairseq-generate``, ... bare or as a path) or of ``python -m MODULE ...`` (the module's ``main(argv)``:
+    the conversion's fine-tune, ``diagnostics/finetune.py``) whose child is a fork of this process running the
     script's ``cli_main`` (see the module docstring) and exits with its exit status."""
 
     FAIRSEQ_LOGGING = True
@@ -266,12 +281,13 @@ class ForkedCommand(ForkedProcess):
     def __init__(self, args, at_start: Optional[Callable[[], None]] = None, **popen_options):
         """``at_start``: called in the child before the command (with its ``sys.argv`` and
         environment), as a ``sitecustomize`` on its PYTHONPATH would run in a new process."""
-        self._cli_main = _entry_point(os.path.basename(str(args[0])))  # imported here, before the fork
+        # imported here, before the fork
+        self._cli_main, self._argv = _command_entry([str(a) for a in args])
         self._at_start = at_start
         super().__init__(args, **popen_options)
 
     def _child_main(self, args):
-        sys.argv = [os.path.basename(args[0]), *args[1:]]
+        sys.argv = [os.path.basename(self._argv[0]), *self._argv[1:]]
         if self._at_start is not None:
             self._at_start()
         return self._cli_main()
@@ -433,9 +449,10 @@ def _exit_status(stop: SystemExit) -> int:
 
 
 def forked_commands(at_start: Optional[Callable[[], None]] = None):
-    """Context manager: the experiment runner's commands started as :class:`ForkedCommand` (the
-    runner's seam, ``experiments/processes.py``'s ``commands_started_by``), each calling
-    ``at_start`` (if given) before its command."""
+    """Context manager: the experiment runner's commands, and the fine-tunes of the norm
+    conversion (``diagnostics/convert.py``'s ``finetune``), started as :class:`ForkedCommand` (the
+    seam, ``experiments/processes.py``'s ``commands_started_by``), each calling ``at_start`` (if
+    given) before its command."""
     import functools
 
     from fairseq_normplug.experiments.processes import commands_started_by
