@@ -60,10 +60,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
-from typing import Callable, Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
-from conftest import FALLBACK_EXPECTED, assert_no_fallback, failure_report
+from conftest import COMMAND_TIMEOUT, FALLBACK_EXPECTED, assert_no_fallback, command_env, failure_report
 
 #: fairseq_cli's log record format (fairseq_cli/train.py's ``logging.basicConfig``)
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
@@ -84,6 +86,24 @@ def _entry_point(command: str):
         raise ValueError(f"no in-process entry point for {command!r}; "
                          "choose from fairseq-train, fairseq-generate, fairseq-interactive, fairseq-preprocess")
     return cli_main
+
+
+def _command_entry(args):
+    """``(cli_main, argv)`` of the command line ``args``: a fairseq console script's
+    (:func:`_entry_point`, ``argv`` = ``args``), or for ``python -m MODULE ARG...`` the module's
+    ``cli_main()`` (which reads ``sys.argv``, as ``fairseq_normplug.hydra_train``'s) or else its
+    ``main(argv)`` called with the arguments (``diagnostics.finetune``'s); ``argv`` = ``[MODULE,
+    ARG...]``, as ``sys.argv``."""
+    if len(args) >= 3 and args[1] == "-m":
+        import importlib
+
+        module = importlib.import_module(args[2])
+        if callable(getattr(module, "cli_main", None)):
+            return module.cli_main, args[2:]
+        if not callable(getattr(module, "main", None)):
+            raise ValueError(f"python -m {args[2]}: the module has neither cli_main() nor main(argv) to run in a fork")
+        return (lambda: module.main(sys.argv[1:])), args[2:]
+    return _entry_point(os.path.basename(args[0])), args
 
 
 @contextlib.contextmanager
@@ -257,7 +277,8 @@ class ForkedProcess(subprocess.Popen):
 
 class ForkedCommand(ForkedProcess):
     """``subprocess.Popen(command, ...)`` of a fairseq console script (``command[0]``: ``fairseq-train``,
-    ``fairseq-generate``, ... bare or as a path) whose child is a fork of this process running the
+    ``fairseq-generate``, ... bare or as a path) or of ``python -m MODULE ...`` (:func:`_command_entry`: the
+    conversion's fine-tune, the plugin's hydra entry point) whose child is a fork of this process running the
     script's ``cli_main`` (see the module docstring) and exits with its exit status."""
 
     FAIRSEQ_LOGGING = True
@@ -266,12 +287,13 @@ class ForkedCommand(ForkedProcess):
     def __init__(self, args, at_start: Optional[Callable[[], None]] = None, **popen_options):
         """``at_start``: called in the child before the command (with its ``sys.argv`` and
         environment), as a ``sitecustomize`` on its PYTHONPATH would run in a new process."""
-        self._cli_main = _entry_point(os.path.basename(str(args[0])))  # imported here, before the fork
+        # imported here, before the fork
+        self._cli_main, self._argv = _command_entry([str(a) for a in args])
         self._at_start = at_start
         super().__init__(args, **popen_options)
 
     def _child_main(self, args):
-        sys.argv = [os.path.basename(args[0]), *args[1:]]
+        sys.argv = [os.path.basename(self._argv[0]), *self._argv[1:]]
         if self._at_start is not None:
             self._at_start()
         return self._cli_main()
@@ -433,11 +455,47 @@ def _exit_status(stop: SystemExit) -> int:
 
 
 def forked_commands(at_start: Optional[Callable[[], None]] = None):
-    """Context manager: the experiment runner's commands started as :class:`ForkedCommand` (the
-    runner's seam, ``experiments/processes.py``'s ``commands_started_by``), each calling
-    ``at_start`` (if given) before its command."""
+    """Context manager: the experiment runner's commands, and the fine-tunes of the norm
+    conversion (``diagnostics/convert.py``'s ``finetune``), started as :class:`ForkedCommand` (the
+    seam, ``experiments/processes.py``'s ``commands_started_by``), each calling ``at_start`` (if
+    given) before its command."""
     import functools
 
     from fairseq_normplug.experiments.processes import commands_started_by
 
     return commands_started_by(functools.partial(ForkedCommand, at_start=at_start) if at_start else ForkedCommand)
+
+
+def run_forked(commands: Sequence[Sequence], cwd: Optional[str] = None, env: Optional[Dict[str, Optional[str]]] = None,
+               timeout: float = COMMAND_TIMEOUT, fallback_ok: bool = False) -> List[subprocess.CompletedProcess]:
+    """``conftest.run_parallel`` for commands a :class:`ForkedCommand` runs (fairseq's console
+    scripts, ``python -m MODULE``): started together as forks of this process, in ``cwd``, with
+    the environment ``conftest.command_env(env)``; returns their CompletedProcess objects, in
+    order. All are killed when ``timeout`` seconds have passed (an AssertionError with their output)."""
+    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+    procs = [ForkedCommand([str(a) for a in command], cwd=cwd, env=command_env(env), stdout=out, stderr=err,
+                           text=True)
+             for command, (out, err) in zip(commands, outputs)]
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    done = []
+    for command, proc, (out, err) in zip(commands, procs, outputs):
+        out.seek(0), err.seek(0)
+        done.append(subprocess.CompletedProcess([str(a) for a in command], proc.returncode, out.read(), err.read()))
+        out.close(), err.close()
+    if timed_out:
+        raise AssertionError(f"still running after {timeout} s, killed:\n" + "\n".join(failure_report(p) for p in done))
+    if not fallback_ok:
+        for proc in done:
+            assert_no_fallback(proc.stdout + proc.stderr, proc.args[0])
+    return done

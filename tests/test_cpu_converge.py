@@ -11,6 +11,7 @@ import pytest
 from fairseq_normplug import checkpoint_safety
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.runner import Run, changed_flags, last_flag_value, run_folder, stopped_by, train
+from inprocess import forked_commands
 
 BASELINE = "PostNorm + LayerNorm + warmup"
 #: the recipe's --stop-patience: validations in a row without a dev-BLEU gain that end a run
@@ -29,6 +30,14 @@ def test_every_row_of_the_cpu_table_stops_by_the_recipe_rule():
     assert table.recipe.decoding["beam"] > 1 and table.recipe.decoding["gnmt_search"]
     for row in table.rows:
         assert table.schedules[row.schedule].flags[1] in ("inv_sqrt_decay", "val_decay")  # both know the rule
+
+
+@pytest.fixture(scope="module", autouse=True)
+def commands_forked():
+    """The runs' fairseq commands run in forked children of this process (tests/inprocess.py's
+    forked_commands): the runner's stopping and resuming logic is the subject here, not the process."""
+    with forked_commands():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from fairseq import checkpoint_utils
 from fairseq.modules import MultiheadAttention
 
 from conftest import REPO, cli, run_cli
-from inprocess import run_fairseq
+from inprocess import forked_commands, run_fairseq
 from fairseq_normplug.diagnostics import convert, fitting, plot_norms
 from fairseq_normplug.diagnostics.attention import attention_logits, query_statistics
 from fairseq_normplug.diagnostics.loading import batches, collect_norm_activations, dev_loss, load_checkpoint
@@ -31,6 +31,15 @@ TINY_STOCK = ["--arch", "transformer", "--encoder-embed-dim", "64", "--encoder-f
 SITES = ["enc0.attn", "enc0.ffn", "enc1.attn", "enc1.ffn", "dec0.attn", "dec0.cross", "dec0.ffn",
          "dec1.attn", "dec1.cross", "dec1.ffn"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fine_tunes_forked():
+    """The conversion's fine-tunes (``python -m fairseq_normplug.diagnostics.finetune``) run in
+    forked children of this process (tests/inprocess.py's forked_commands): the conversion, not
+    the start of a process, is the subject here (test_bad_input_one_line_each runs the script)."""
+    with forked_commands():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +114,10 @@ def test_calibrated_alpha_fits_better_than_the_default(trained, tiny_bin, conver
 @pytest.mark.slow
 def test_conversion_to_derf(trained, tiny_bin, tmp_path):
     out = str(tmp_path / "derf.pt")
-    # 4,000 calibration tokens (the default 20,000 with Derf's shift search costs ~20 s more here)
+    # 2,000 calibration tokens: Derf's alternating shift and alpha searches take time in proportion
+    # to the rows (up to fitting.SEARCH_ROWS): 4,000 took about twice as long, the default 20,000 ~20 s more
     report = convert.convert(trained, tiny_bin, out, "derf", generation={"beam": 1}, echo=lambda message: None,
-                             calibration_tokens=4000)
+                             calibration_tokens=2000)
     assert report["calibration_beats_naive"] and [s["stage"] for s in report["stages"]][1:] == [
         "naive swap (derf, alpha = 0.5)", "calibrated derf (no training)"]
     norms = named_norms(load_checkpoint(out, tiny_bin).model)

@@ -132,6 +132,44 @@ def test_only_fairseq_commands_and_plain_options_are_forked():
         ForkedCommand(["fairseq-train"], start_new_session=True)
 
 
+@pytest.fixture
+def stand_in_modules(tmp_path, monkeypatch):
+    """Modules ``forked_by_main`` (a ``main(argv)``), ``forked_by_cli_main`` (a ``cli_main()``
+    reading ``sys.argv``) and ``forked_by_nothing`` on this process's path."""
+    (tmp_path / "forked_by_main.py").write_text(
+        "import sys\ndef main(argv):\n    print('main', argv, sys.argv)\n    sys.exit(4)\n")
+    (tmp_path / "forked_by_cli_main.py").write_text(
+        "import sys\ndef cli_main():\n    print('cli_main', sys.argv)\ndef main(argv):\n    print('not me')\n")
+    (tmp_path / "forked_by_nothing.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_python_m_command_runs_the_modules_cli_main_or_main(stand_in_modules):
+    """``python -m MODULE ARG...`` (the conversion's fine-tune, the hydra entry point): the
+    module's ``cli_main()`` if it has one, else ``main(argv)``; ``sys.argv`` as ``python -m`` sets it."""
+    by_main = ForkedCommand([sys.executable, "-m", "forked_by_main", "a", "--b"], stdout=subprocess.PIPE, text=True)
+    assert by_main.communicate(timeout=60)[0] == "main ['a', '--b'] ['forked_by_main', 'a', '--b']\n"
+    assert by_main.returncode == 4
+    by_cli_main = ForkedCommand([sys.executable, "-m", "forked_by_cli_main", "x=1"], stdout=subprocess.PIPE, text=True)
+    assert by_cli_main.communicate(timeout=60)[0] == "cli_main ['forked_by_cli_main', 'x=1']\n"
+    assert by_cli_main.returncode == 0
+    with pytest.raises(ValueError, match="python -m forked_by_nothing: the module has neither cli_main"):
+        ForkedCommand([sys.executable, "-m", "forked_by_nothing"])
+
+
+def test_run_forked_runs_commands_side_by_side_and_returns_them_in_order(entry_replaced, tmp_path):
+    first, second = inprocess.run_forked([["fairseq-train", "one"], ["fairseq-generate", "two"]], cwd=str(tmp_path),
+                                         env={"FORKED_SEEN": "both", "FORKED_THEN": None})
+    assert (first.returncode, second.returncode) == (0, 0) and first.args == ["fairseq-train", "one"]
+    assert first.stdout.startswith(f"['fairseq-train', 'one'] {tmp_path} both 1")
+    assert second.stdout.startswith(f"['fairseq-generate', 'two'] {tmp_path} both 1")
+    assert first.stderr == second.stderr == "to stderr\n"
+    failed, = inprocess.run_forked([["fairseq-train"]], env={"FORKED_THEN": "exit 3"})
+    assert failed.returncode == 3  # returned, as run_parallel returns it: the test decides
+    with pytest.raises(AssertionError, match="still running after 1 s, killed"):
+        inprocess.run_forked([["fairseq-train"]], env={"FORKED_THEN": "sleep"}, timeout=1)
+
+
 # ---- fairseq's state kept on its functions --------------------------------------------------
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import BIN_DIR, REPO, command_env, failure_report
+from inprocess import forked_commands
 
 ROW = "PreNorm + FixNorm + ScaleNorm"
 RUN = os.path.join("runs", "table3", "gl-en", "prenorm-fixnorm-scalenorm")
@@ -26,7 +27,8 @@ HUB_FILES = {"dict.gl.txt": "bin/dict.gl.txt", "dict.en.txt": "bin/dict.en.txt",
 def work(tiny_raw, tmp_path_factory):
     """The work folder: ``data/ted/gl-en`` prepared (30 BPE merges) and ROW trained in RUN, by
     the mains of scripts/prepare_corpus.sh and scripts/train.sh (tests/test_entry_points.py runs
-    the scripts themselves)."""
+    the scripts themselves); the run's fairseq commands in forked children of this process
+    (tests/inprocess.py's forked_commands)."""
     from fairseq_normplug.experiments import single_run
     from fairseq_normplug.prepare import corpus
 
@@ -40,7 +42,7 @@ def work(tiny_raw, tmp_path_factory):
         patch.chdir(work)
         corpus.main([str(raw), "--src", "gl", "--tgt", "en", "--tokenized", "--bpe-merges", "30",
                      "--dest", "data/ted/gl-en", "--workers", "1"])
-        with pytest.raises(SystemExit) as trained:
+        with pytest.raises(SystemExit) as trained, forked_commands():
             single_run.train_main(["table3", ROW, "data/ted/gl-en", "--run-dir", RUN, "--train-flags", TINY])
     assert trained.value.code == 0
     return work

@@ -1,7 +1,9 @@
 """fairseq-normplug-hydra-train (fairseq_normplug/hydra_train.py) against fairseq-train: the
 recipe YAML of configs/hydra/ and the scripts' command give the same configuration, the same
 model (class tree, parameter names, initial values) and the same training; the model's config
-dataclass follows its flags; typos and bad values are refused in one line."""
+dataclass follows its flags; typos and bad values are refused in one line. The commands run in
+forked children of this process (tests/inprocess.py's run_forked): their configuration, training
+and errors are the subject, not the start of a process."""
 import argparse
 import json
 import os
@@ -14,7 +16,8 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models.transformer import TransformerConfig
 from omegaconf import OmegaConf
 
-from conftest import REPO, cli, run_parallel
+from conftest import REPO, cli
+from inprocess import run_forked
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.runner import Run, subword_method
 from fairseq_normplug.hydra_train import compose
@@ -114,7 +117,7 @@ def test_hydra_and_fairseq_train_train_the_same_model(tiny_prepared, tmp_path):
     command = recipe_run(tiny_prepared, flags_dir).train_command(SHORT_FLAGS)
     hydra = [*HYDRA_TRAIN, "--config-dir", HYDRA_DIR, "--config-name", "ted_gl_en_full",
              *yaml_overrides(tiny_prepared, yaml_dir / "checkpoints"), *SHORT_OVERRIDES]
-    by_flags, by_yaml = run_parallel([command, hydra], cwd=str(tmp_path))
+    by_flags, by_yaml = run_forked([command, hydra], cwd=str(tmp_path))
     assert loss_at(by_yaml, 10) == loss_at(by_flags, 10) and loss_at(by_yaml, 20) == loss_at(by_flags, 20)
 
     paths = [str(d / "checkpoints" / "checkpoint_last.pt") for d in (flags_dir, yaml_dir)]
@@ -140,12 +143,12 @@ def test_typos_and_bad_values_are_one_line_errors(tiny_bin, tmp_path):
     groups = ["task=translation_normplug", f"task.data={tiny_bin}", "model=transformer_normplug_tiny",
               "lr_scheduler=val_decay", "criterion=masked_label_smoothed_cross_entropy", "optimizer=adam",
               "common.cpu=true"]
-    typo, bad_value, train_bad_value = run_parallel([
+    typo, bad_value, train_bad_value = run_forked([
         [*HYDRA_TRAIN, *groups, "+model.prenrom=true"],
         [*HYDRA_TRAIN, *groups, "+model.norm_type=foo"],
         [cli("fairseq-train"), tiny_bin, "--user-dir", os.path.join(REPO, "fairseq_normplug"),
          "--arch", "transformer_normplug_tiny", "--norm-type", "foo", "--cpu"],
-    ], cwd=str(tmp_path), peers=False)
+    ], cwd=str(tmp_path))
     for proc in (typo, bad_value, train_bad_value):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = [proc.stderr.strip().splitlines()[-1] for proc in (typo, bad_value, train_bad_value)]

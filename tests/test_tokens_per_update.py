@@ -10,6 +10,7 @@ import subprocess
 import pytest
 
 from conftest import REPO
+from inprocess import ForkedCommand
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import reproduce
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_recipes, load_table
@@ -146,8 +147,10 @@ def test_one_and_two_gloo_processes_train_with_the_same_tokens_per_update(gloo_r
     for command in ranks:
         assert (last_flag_value(command, "--max-tokens"), last_flag_value(command, "--update-freq")) == ("500", "1")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for command in [alone] + ranks]
+    # the single process in a fork of this one (tests/inprocess.py's ForkedCommand: a process all the
+    # same, without starting Python, torch and fairseq again); the gloo ranks are real processes
+    procs = [starter(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for starter, command in [(ForkedCommand, alone), (subprocess.Popen, ranks[0]), (subprocess.Popen, ranks[1])]]
     try:
         outputs = [proc.communicate(timeout=240)[0] for proc in procs]
     finally:

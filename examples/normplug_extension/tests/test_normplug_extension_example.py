@@ -51,14 +51,24 @@ def extension():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A tiny synthetic parallel corpus, binarized with a joined dictionary."""
+    """A tiny synthetic parallel corpus, binarized with a joined dictionary by fairseq-preprocess's
+    main, in this process (as fairseq's own tests do: nothing of the extension is involved)."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
     from fairseq_normplug.synthetic_corpus import write_corpus
 
     raw = write_corpus(str(tmp_path_factory.mktemp("raw")), train=600, valid=40, test=40, vocab_size=40)
     dest = tmp_path_factory.mktemp("bin")
-    run(f"{BIN}/fairseq-preprocess", "--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{raw}/train",
-        "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test", "--destdir", dest, "--joined-dictionary",
-        "--workers", "1")
+    handlers = preprocess.logger.handlers[:]  # main adds a log file handler that a process would close at exit
+    try:
+        preprocess.main(options.get_preprocessing_parser().parse_args([
+            "--source-lang", "src", "--target-lang", "tgt", "--trainpref", f"{raw}/train", "--validpref",
+            f"{raw}/valid", "--testpref", f"{raw}/test", "--destdir", str(dest), "--joined-dictionary", "--workers", "1"]))
+    finally:
+        for handler in preprocess.logger.handlers[len(handlers):]:
+            handler.close()
+        preprocess.logger.handlers = handlers
     return str(dest)
 
 
