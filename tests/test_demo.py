@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import tiny_demo
+from inprocess import forked_commands
 from prepare_fixtures import write_pairs
 
 from fairseq_normplug.experiments import demo
@@ -129,7 +130,9 @@ def test_demo_trains_scores_and_tabulates_through_its_own_path(tmp_path, monkeyp
     """demo.sh's main end to end, nothing mocked but the size: a corpus given with --corpus is
     prepared into data/, the --preset's recipe trains the table's first row (shrunk to 4
     updates, one row, to stay fast), the test set is translated and scored, and --out holds
-    the results table, the figures and the run."""
+    the results table, the figures and the run. The run's fairseq commands are forks of this
+    process (tests/inprocess.py's forked_commands): demo.sh's logic is the subject here;
+    tests/test_wheel.py runs demo.sh's main as a real script."""
     from fairseq_normplug.experiments import configs, reproduce
 
     corpus = make_corpus(str(tmp_path / "toy" / "raw"), "delta")
@@ -139,7 +142,8 @@ def test_demo_trains_scores_and_tabulates_through_its_own_path(tmp_path, monkeyp
     tiny_demo.shrink(demo, monkeypatch.setattr)
     table = configs.load_table("demo")
     out = tmp_path / "out"
-    demo.main(["--corpus", corpus, *PAIR, "--bpe-merges", "30", "--preset", "tiny", "--out", str(out)])
+    with forked_commands():  # the run's fairseq commands as forks of this process (demo.sh itself: test_wheel)
+        demo.main(["--corpus", corpus, *PAIR, "--bpe-merges", "30", "--preset", "tiny", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "[demo] done in" in printed and f"results in {out}" in printed
     (data_dir,) = glob.glob(str(tmp_path / "data" / "toy-*" / "en-de-bpe30"))
