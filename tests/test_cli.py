@@ -267,10 +267,10 @@ def test_bad_input_on_the_command_line(tmp_path, flags, message):
     assert len(errors) == 1 and message in errors[0]
 
 
-def train_data_parallel(data_bin, save_dir, flags, max_update, dump_dir=None):
+def train_data_parallel(data_bin, save_dir, flags, max_update, dump_dir=None, dump_at_update=None):
     """Two CPU processes (gloo) train one model data-parallel (tests/train_dump_params.py: each
-    rank's parameters saved to ``dump_dir`` after every update); returns their outputs. When
-    one rank fails, the other (waiting for its peer) is killed at once."""
+    rank's parameters saved to ``dump_dir`` after every update, and kept for ``dump_at_update``);
+    returns their outputs. When one rank fails, the other (waiting for its peer) is killed at once."""
     import socket
 
     with socket.socket() as s:
@@ -285,16 +285,19 @@ def train_data_parallel(data_bin, save_dir, flags, max_update, dump_dir=None):
     dump_dir = dump_dir or os.path.join(str(save_dir), "params")
     os.makedirs(dump_dir, exist_ok=True)
     procs = run_parallel([common + ["--distributed-rank", str(rank)] for rank in (0, 1)],
-                         env={"DUMP_PARAMS_DIR": str(dump_dir)})
+                         env={"DUMP_PARAMS_DIR": str(dump_dir),
+                              "DUMP_PARAMS_AT_UPDATE": None if dump_at_update is None else str(dump_at_update)})
     outputs = [p.stdout + p.stderr for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "training on 2 devices" in outputs[0]
     return outputs
 
 
-def rank_parameters(dump_dir):
-    """Both ranks' parameters after their last update; asserts that they are identical."""
-    ranks = [torch.load(os.path.join(dump_dir, f"rank{r}.pt")) for r in (0, 1)]
+def rank_parameters(dump_dir, update=None):
+    """Both ranks' parameters after their last update (or after ``update``, kept by
+    ``train_data_parallel``'s ``dump_at_update``); asserts that they are identical."""
+    suffix = "" if update is None else f"-update{update}"
+    ranks = [torch.load(os.path.join(dump_dir, f"rank{r}{suffix}.pt")) for r in (0, 1)]
     assert ranks[0].keys() == ranks[1].keys()
     for name in ranks[0]:
         assert torch.equal(ranks[0][name], ranks[1][name]), name
@@ -312,18 +315,26 @@ DATA_PARALLEL = ["--prenorm", "--dyt", "--dyt-alpha-init", "auto", "--task", "tr
 def test_data_parallel_on_cpu_with_gloo_agrees_and_resumes_exactly(tiny_bin, tmp_path):
     """Two CPU processes train one model data-parallel (docs/experiments.md). The ranks see
     different batches, yet --dyt-alpha-init auto chooses one alpha per norm for both, and
-    after every update their parameters are identical. A run stopped at update 3 and resumed
-    to 6 (no second auto init) ends with exactly the parameters of an uninterrupted run."""
-    whole = train_data_parallel(tiny_bin, tmp_path / "whole", DATA_PARALLEL, 6)
+    after every update their parameters are identical. A run resumed at update 3 (from the
+    checkpoint the uninterrupted run saved there, --save-interval-updates 3) and trained to 6
+    (no second auto init) ends with exactly the parameters of the uninterrupted run. Two pairs
+    of real rank processes: the uninterrupted run and the resumed one."""
+    import glob
+    import shutil
+
+    whole = train_data_parallel(tiny_bin, tmp_path / "whole", [*DATA_PARALLEL, "--save-interval-updates", "3"], 6,
+                                dump_at_update=3)
     logged = [line for line in whole[0].splitlines() if "auto init of alpha" in line]
     assert len(logged) == 1 and "2 data-parallel ranks" in logged[0]
     assert '"train_num_updates": "6"' in whole[0]
     uninterrupted = rank_parameters(tmp_path / "whole" / "params")
     alphas = {k: v.item() for k, v in uninterrupted.items() if k.endswith(".alpha")}
     assert len(alphas) == 12 and all(abs(a - 0.5) > 1e-3 for a in alphas.values()), alphas
+    (at_3,) = glob.glob(str(tmp_path / "whole" / "checkpoint_*_3.pt"))
+    os.makedirs(tmp_path / "resumed")
+    shutil.copyfile(at_3, tmp_path / "resumed" / "checkpoint_last.pt")
+    after_3 = rank_parameters(tmp_path / "whole" / "params", update=3)
     dump = tmp_path / "resumed" / "params"
-    train_data_parallel(tiny_bin, tmp_path / "resumed", DATA_PARALLEL, 3, dump_dir=dump)
-    after_3 = rank_parameters(dump)
     resumed = train_data_parallel(tiny_bin, tmp_path / "resumed", DATA_PARALLEL, 6, dump_dir=dump)
     assert "@ 3 updates" in resumed[0] and '"train_num_updates": "6"' in resumed[0]
     assert "auto init" not in resumed[0]

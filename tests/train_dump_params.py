@@ -1,5 +1,6 @@
 """fairseq-train that also saves each data-parallel rank's model state (``rank<N>.pt`` in
-the directory ``$DUMP_PARAMS_DIR``) after every update, so a test can compare the ranks."""
+the directory ``$DUMP_PARAMS_DIR``) after every update, so a test can compare the ranks; with
+``$DUMP_PARAMS_AT_UPDATE`` = U, also the state after update U (``rank<N>-update<U>.pt``)."""
 import os
 
 import torch
@@ -12,7 +13,11 @@ _train_step = trainer.Trainer.train_step
 def train_step(self, *args, **kwargs):
     out = _train_step(self, *args, **kwargs)
     path = os.path.join(os.environ["DUMP_PARAMS_DIR"], f"rank{self.data_parallel_rank}.pt")
-    torch.save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, path)
+    state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    torch.save(state, path)
+    if os.environ.get("DUMP_PARAMS_AT_UPDATE") == str(self.get_num_updates()):
+        torch.save(state, os.path.join(os.environ["DUMP_PARAMS_DIR"],
+                                       f"rank{self.data_parallel_rank}-update{self.get_num_updates()}.pt"))
     return out
 
 
