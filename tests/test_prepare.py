@@ -1,6 +1,9 @@
 """The prepare_* scripts end to end on tiny corpora in the real source layouts (offline):
 line counts and content at each stage, data fairseq-train accepts, idempotent re-runs,
-refusal to mix options, and one clear error for each kind of bad input."""
+refusal to mix options, and one clear error for each kind of bad input. The scripts
+(scripts/prepare_*.sh) run for real; where a test runs a preparation in this process (its
+logic the subject), the pipeline's fairseq-preprocess runs in a forked child of it
+(tests/inprocess.py's forked_commands), and fairseq-train reads the prepared data in-process."""
 import glob
 import json
 import os
@@ -10,6 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO, SHARED_DATA, cli, failure_report, run_cli, run_parallel
+from inprocess import forked_commands, run_fairseq
 from prepare_fixtures import (
     LONG_TOKENS, expected_pair, make_iwslt15_dir, make_raw_corpus, make_ted_archive,
     make_wmt14_archives, ted_rows, write_pairs,
@@ -58,6 +62,13 @@ def assert_nothing_published(dest: str) -> None:
 
 def undo_bpe(line: str) -> str:
     return line.replace("@@ ", "")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pipeline_commands_forked():
+    """fairseq-preprocess of a preparation run in this process: a fork of it, not a new Python."""
+    with forked_commands():
+        yield
 
 
 # --- TED ----------------------------------------------------------------------------------
@@ -124,7 +135,7 @@ def test_ted_stages_line_counts_and_content(ted_gl_en):
 
 @pytest.mark.slow
 def test_ted_data_is_accepted_by_fairseq_train(ted_gl_en, tmp_path):
-    proc = run_cli([
+    proc = run_fairseq([
         cli("fairseq-train"), f"{ted_gl_en}/bin", "--arch", "transformer_tiny",
         "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
         "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
