@@ -19,7 +19,9 @@ from prepare_fixtures import (
     make_wmt14_archives, ted_rows, write_pairs,
 )
 
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.prepare import corpus as corpus_cli
+from fairseq_normplug.prepare import pipeline
 from fairseq_normplug.prepare import iwslt15 as iwslt15_cli
 from fairseq_normplug.prepare import ted as ted_cli
 from fairseq_normplug.prepare import wmt14 as wmt14_cli
@@ -440,6 +442,21 @@ def test_unknown_pairs_and_missing_local_files(tmp_path, capsys):
     status, err = run_in_process(wmt14_cli, ["--archive-dir", archives, "--dest", dest, *TINY], capsys)
     assert status == 2 and "dev.tgz is not a readable tar archive or is truncated" in err, err
     assert_nothing_published(dest)
+
+
+def test_a_failed_fairseq_preprocess_is_one_line_error_with_its_output(tmp_path, capsys):
+    """fairseq-preprocess (started through the runner's seam, here a fork) fails on a stage
+    without BPE text: its exit status and last line in one NormplugError, its output on stderr."""
+    stage = pipeline._Stage(str(tmp_path / "stage"))
+    with pytest.raises(NormplugError) as error:
+        pipeline._binarize(stage, "en", "de", 1, lambda message: None)
+    message = str(error.value)
+    missing = os.path.join(stage.dir("bpe"), "train.en")
+    assert "\n" not in message
+    assert message == f"fairseq-preprocess failed with exit status 1: FileNotFoundError: [Errno 2] " \
+                      f"No such file or directory: '{missing}'"
+    assert "Traceback" in capsys.readouterr().err
+    assert not glob.glob(os.path.join(stage.dir("bin"), "*.bin"))
 
 
 def test_foreign_destination_is_never_replaced(ted_archive, tmp_path, capsys):
