@@ -456,7 +456,8 @@ def _exit_status(stop: SystemExit) -> int:
 
 def forked_commands(at_start: Optional[Callable[[], None]] = None):
     """Context manager: the experiment runner's commands, and the fine-tunes of the norm
-    conversion (``diagnostics/convert.py``'s ``finetune``), started as :class:`ForkedCommand` (the
+    conversion (``diagnostics/convert.py``'s ``finetune``) and the data preparation's fairseq-preprocess
+    (``prepare/pipeline.py``'s ``_binarize``), started as :class:`ForkedCommand` (the
     seam, ``experiments/processes.py``'s ``commands_started_by``), each calling ``at_start`` (if
     given) before its command."""
     import functools

@@ -27,8 +27,8 @@ HUB_FILES = {"dict.gl.txt": "bin/dict.gl.txt", "dict.en.txt": "bin/dict.en.txt",
 def work(tiny_raw, tmp_path_factory):
     """The work folder: ``data/ted/gl-en`` prepared (30 BPE merges) and ROW trained in RUN, by
     the mains of scripts/prepare_corpus.sh and scripts/train.sh (tests/test_entry_points.py runs
-    the scripts themselves); the run's fairseq commands in forked children of this process
-    (tests/inprocess.py's forked_commands)."""
+    the scripts themselves); the preparation's fairseq-preprocess and the run's fairseq commands
+    in forked children of this process (tests/inprocess.py's forked_commands)."""
     from fairseq_normplug.experiments import single_run
     from fairseq_normplug.prepare import corpus
 
@@ -38,11 +38,11 @@ def work(tiny_raw, tmp_path_factory):
     for split in ("train", "valid", "test"):
         for lang, ours in (("gl", "src"), ("en", "tgt")):
             os.symlink(os.path.join(tiny_raw, f"{split}.{ours}"), raw / f"{split}.{lang}")
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, forked_commands():
         patch.chdir(work)
         corpus.main([str(raw), "--src", "gl", "--tgt", "en", "--tokenized", "--bpe-merges", "30",
                      "--dest", "data/ted/gl-en", "--workers", "1"])
-        with pytest.raises(SystemExit) as trained, forked_commands():
+        with pytest.raises(SystemExit) as trained:
             single_run.train_main(["table3", ROW, "data/ted/gl-en", "--run-dir", RUN, "--train-flags", TINY])
     assert trained.value.code == 0
     return work

@@ -1,6 +1,9 @@
 """The prepare_* scripts end to end on tiny corpora in the real source layouts (offline):
 line counts and content at each stage, data fairseq-train accepts, idempotent re-runs,
-refusal to mix options, and one clear error for each kind of bad input."""
+refusal to mix options, and one clear error for each kind of bad input. The scripts
+(scripts/prepare_*.sh) run for real; where a test runs a preparation in this process (its
+logic the subject), the pipeline's fairseq-preprocess runs in a forked child of it
+(tests/inprocess.py's forked_commands), and fairseq-train reads the prepared data in-process."""
 import glob
 import json
 import os
@@ -10,12 +13,15 @@ import sys
 import pytest
 
 from conftest import REPO, SHARED_DATA, cli, failure_report, run_cli, run_parallel
+from inprocess import forked_commands, run_fairseq
 from prepare_fixtures import (
     LONG_TOKENS, expected_pair, make_iwslt15_dir, make_raw_corpus, make_ted_archive,
     make_wmt14_archives, ted_rows, write_pairs,
 )
 
+from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.prepare import corpus as corpus_cli
+from fairseq_normplug.prepare import pipeline
 from fairseq_normplug.prepare import iwslt15 as iwslt15_cli
 from fairseq_normplug.prepare import ted as ted_cli
 from fairseq_normplug.prepare import wmt14 as wmt14_cli
@@ -58,6 +64,13 @@ def assert_nothing_published(dest: str) -> None:
 
 def undo_bpe(line: str) -> str:
     return line.replace("@@ ", "")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pipeline_commands_forked():
+    """fairseq-preprocess of a preparation run in this process: a fork of it, not a new Python."""
+    with forked_commands():
+        yield
 
 
 # --- TED ----------------------------------------------------------------------------------
@@ -124,7 +137,7 @@ def test_ted_stages_line_counts_and_content(ted_gl_en):
 
 @pytest.mark.slow
 def test_ted_data_is_accepted_by_fairseq_train(ted_gl_en, tmp_path):
-    proc = run_cli([
+    proc = run_fairseq([
         cli("fairseq-train"), f"{ted_gl_en}/bin", "--arch", "transformer_tiny",
         "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
         "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
@@ -429,6 +442,22 @@ def test_unknown_pairs_and_missing_local_files(tmp_path, capsys):
     status, err = run_in_process(wmt14_cli, ["--archive-dir", archives, "--dest", dest, *TINY], capsys)
     assert status == 2 and "dev.tgz is not a readable tar archive or is truncated" in err, err
     assert_nothing_published(dest)
+
+
+def test_a_failed_fairseq_preprocess_is_one_line_error_with_its_output(tmp_path, capsys):
+    """fairseq-preprocess (started through the runner's seam, here a fork) fails on a stage
+    without BPE text: its exit status and last line in one NormplugError, its output on stderr."""
+    stage = pipeline._Stage(str(tmp_path / "stage"))
+    with pytest.raises(NormplugError) as error:
+        pipeline._binarize(stage, "en", "de", 1, lambda message: None)
+    message = str(error.value)
+    assert "\n" not in message
+    # the joined dictionary reads a set of the two sides' files: either one is missed first
+    assert message in {f"fairseq-preprocess failed with exit status 1: FileNotFoundError: [Errno 2] "
+                       f"No such file or directory: '{os.path.join(stage.dir('bpe'), 'train.' + lang)}'"
+                       for lang in ("en", "de")}
+    assert "Traceback" in capsys.readouterr().err
+    assert not glob.glob(os.path.join(stage.dir("bin"), "*.bin"))
 
 
 def test_foreign_destination_is_never_replaced(ted_archive, tmp_path, capsys):

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from inprocess import forked_commands
 from prepare_fixtures import make_ted_archive
 
 from fairseq_normplug.errors import NormplugError
@@ -122,7 +123,8 @@ def test_prepare_ted_downloads_its_archive(server, tmp_path, monkeypatch, capsys
     monkeypatch.setattr(ted_cli, "URL", server.url + "ted_talks.tar.gz")
     downloads, dest = str(tmp_path / "downloads"), str(tmp_path / "gl-en")
     argv = ["gl", "en", "--download-dir", downloads, "--dest", dest, "--bpe-merges", "50", "--workers", "1"]
-    run_main(ted_cli.PROG, ted_cli.main, argv)
+    with forked_commands():  # the pipeline's fairseq-preprocess: a fork of this process
+        run_main(ted_cli.PROG, ted_cli.main, argv)
     assert os.path.getsize(os.path.join(downloads, "ted_talks.tar.gz")) == os.path.getsize(archive)
     with open(os.path.join(dest, "manifest.json")) as f:
         source = json.load(f)["source"]["archive"]

@@ -29,7 +29,8 @@ _COMMAND_STARTER: Optional[CommandStarter] = None
 
 @contextmanager
 def commands_started_by(starter: CommandStarter) -> Iterator[None]:
-    """While the block runs, the runs' fairseq commands are started by ``starter`` instead of
+    """While the block runs, the runs' fairseq commands (and those of the norm conversion's
+    fine-tune and the data preparation's fairseq-preprocess) are started by ``starter`` instead of
     ``subprocess.Popen``: the one seam where the runner starts its commands. The tests use it to
     run fairseq-train and fairseq-generate in a forked child of the test process (``tests/
     inprocess.py``'s ``forked_commands``) where the runner's logic, not the process, is their
