@@ -417,10 +417,11 @@ def _plugin_state_of_a_new_process() -> None:
     settings read from the environment (:func:`_settings_read_again`)."""
     import threading
 
+    from fairseq_normplug import command_start
     from fairseq_normplug.experiments import ownership, processes
 
     processes._PROCESSES.__init__()  # in place: other modules import it by name
-    processes._COMMAND_STARTER = None
+    command_start._COMMAND_STARTER = None
     ownership._OWNED.clear()
     ownership._OWNED_LOCK = threading.Lock()
     _settings_read_again()
@@ -458,11 +459,11 @@ def forked_commands(at_start: Optional[Callable[[], None]] = None):
     """Context manager: the experiment runner's commands, and the fine-tunes of the norm
     conversion (``diagnostics/convert.py``'s ``finetune``) and the data preparation's fairseq-preprocess
     (``prepare/pipeline.py``'s ``_binarize``), started as :class:`ForkedCommand` (the
-    seam, ``experiments/processes.py``'s ``commands_started_by``), each calling ``at_start`` (if
+    seam, ``fairseq_normplug/command_start.py``'s ``commands_started_by``), each calling ``at_start`` (if
     given) before its command."""
     import functools
 
-    from fairseq_normplug.experiments.processes import commands_started_by
+    from fairseq_normplug.command_start import commands_started_by
 
     return commands_started_by(functools.partial(ForkedCommand, at_start=at_start) if at_start else ForkedCommand)
 

@@ -1,4 +1,4 @@
-"""The runner's one seam for starting commands (experiments/processes.py's start_command) and
+"""The runner's one seam for starting commands (fairseq_normplug/command_start.py's start_command) and
 tests/inprocess.py's ForkedCommand, which the runner tests choose with forked_commands(): a child
 process forked from the test process, with the pipes, folder, environment, threads, logging,
 signal handling and exit status of a new process. The console script's entry is replaced here
@@ -18,6 +18,7 @@ import torch
 
 import inprocess
 from inprocess import ForkedCommand, ForkedLauncher, forked_commands
+from fairseq_normplug import command_start
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import launchers, ownership, processes
 
@@ -59,13 +60,13 @@ def forked(then="end", **options):
 
 
 def test_the_runner_starts_real_processes_unless_a_test_chooses_forked_ones():
-    real = processes.start_command([sys.executable, "-c", "print(1)"], stdout=subprocess.PIPE, text=True)
+    real = command_start.start_command([sys.executable, "-c", "print(1)"], stdout=subprocess.PIPE, text=True)
     assert type(real) is subprocess.Popen and real.communicate()[0] == "1\n" and real.returncode == 0
     with forked_commands():
-        with processes.commands_started_by(subprocess.Popen):  # nested: the inner starter, then the outer again
-            assert processes._COMMAND_STARTER is subprocess.Popen
-        assert processes._COMMAND_STARTER is ForkedCommand
-    assert processes._COMMAND_STARTER is None
+        with command_start.commands_started_by(subprocess.Popen):  # nested: the inner starter, then the outer again
+            assert command_start._COMMAND_STARTER is subprocess.Popen
+        assert command_start._COMMAND_STARTER is ForkedCommand
+    assert command_start._COMMAND_STARTER is None
 
 
 def test_a_forked_command_has_its_own_pipes_folder_environment_threads_and_log(entry_replaced, tmp_path):
@@ -232,7 +233,7 @@ def what_a_launcher_sees():
     """A launcher's main: what its process is, then ``$LAUNCHER_THEN``'s ending."""
     print(os.getpid(), os.getpgid(0) == os.getpid(), os.getcwd(), os.environ.get("FORKED_SEEN"),
           launchers.HELD_POLL_S, ownership.STALE_AFTER_S, processes.STOP_GRACE_S,
-          processes._COMMAND_STARTER is ForkedCommand, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
+          command_start._COMMAND_STARTER is ForkedCommand, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
           processes.stop_requested(), len(processes._PROCESSES.running), len(ownership._OWNED), flush=True)
     then = os.environ.get("LAUNCHER_THEN", "return 3")
     if then == "return 3":
@@ -266,7 +267,7 @@ def test_a_forked_launcher_is_a_new_process_with_its_environment_folder_and_the_
     assert out.split() == [str(proc.pid), "True", str(tmp_path), "yes", "0.25", "7.0", "2.0", "True", "True",
                            "None", "0", "0"]
     assert (launchers.HELD_POLL_S, ownership.STALE_AFTER_S, processes.STOP_GRACE_S) == settings  # as they were
-    assert "FORKED_SEEN" not in os.environ and processes._COMMAND_STARTER is None
+    assert "FORKED_SEEN" not in os.environ and command_start._COMMAND_STARTER is None
 
 
 @pytest.mark.parametrize("then,code,stderr_end", [

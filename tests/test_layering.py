@@ -10,8 +10,8 @@ from conftest import REPO
 #: ``__init__`` is the package itself, which registers everything with fairseq.
 LAYERS = (
     # standard library, torch and fairseq only: errors, set-up checks, atomic file writing,
-    # fairseq's argument parsing, the plugin's paths, the toy corpus
-    {"errors", "install_plan", "atomic_files", "cli", "fairseq_parsing", "resources"},
+    # fairseq's argument parsing, the plugin's paths, the toy corpus, the one seam that starts commands
+    {"errors", "install_plan", "atomic_files", "cli", "fairseq_parsing", "resources", "command_start"},
     # the one check of every numeric flag (finite, in its declared range); the toy corpus (written
     # through atomic_files); the one reader of command-line flag lists (argparse's rules); the one
     # builder of fairseq command lines (program, data, --user-dir)

@@ -54,7 +54,7 @@ from fairseq_normplug.diagnostics.loading import (
 )
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.portable_paths import shown_path  # noqa: F401 (remove_norms: convert.shown_path)
-from fairseq_normplug.experiments.processes import start_command
+from fairseq_normplug.command_start import start_command
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
 from fairseq_normplug.diagnostics.conversion_report import (  # noqa: F401 (convert.report_paths, ...)
     render_markdown, report_paths, stage_table, write_report,

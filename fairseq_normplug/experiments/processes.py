@@ -6,8 +6,9 @@ import signal
 import subprocess
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional
 
+from fairseq_normplug.command_start import start_command
 from fairseq_normplug.experiments import ownership
 
 if TYPE_CHECKING:
@@ -18,36 +19,6 @@ if TYPE_CHECKING:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: seconds a stopped run's process has to end after the forwarded signal, before SIGKILL
 STOP_GRACE_S = float(os.environ.get("NORMPLUG_STOP_GRACE", "30"))
-
-
-#: how :func:`run_process` starts a command: ``starter(command, **popen_options)`` returns a
-#: ``subprocess.Popen`` (or an object of its interface whose ``pid`` is a child process of
-#: this one); None, the default, is ``subprocess.Popen`` itself: a real process
-CommandStarter = Callable[..., subprocess.Popen]
-_COMMAND_STARTER: Optional[CommandStarter] = None
-
-
-@contextmanager
-def commands_started_by(starter: CommandStarter) -> Iterator[None]:
-    """While the block runs, the runs' fairseq commands (and those of the norm conversion's
-    fine-tune and the data preparation's fairseq-preprocess) are started by ``starter`` instead of
-    ``subprocess.Popen``: the one seam where the runner starts its commands. The tests use it to
-    run fairseq-train and fairseq-generate in a forked child of the test process (``tests/
-    inprocess.py``'s ``forked_commands``) where the runner's logic, not the process, is their
-    subject; everything else (the run's lock, stop signals, logs, exit codes) is unchanged."""
-    global _COMMAND_STARTER
-    previous, _COMMAND_STARTER = _COMMAND_STARTER, starter
-    try:
-        yield
-    finally:
-        _COMMAND_STARTER = previous
-
-
-def start_command(command: List[str], **popen_options) -> subprocess.Popen:
-    """Start ``command`` as :func:`run_process` does: ``subprocess.Popen(command, **popen_options)``,
-    or the starter of an enclosing :func:`commands_started_by`."""
-    starter = _COMMAND_STARTER or subprocess.Popen  # looked up now: tests replace subprocess.Popen
-    return starter(command, **popen_options)
 
 
 class LauncherStopped(KeyboardInterrupt):

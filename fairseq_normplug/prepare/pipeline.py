@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from fairseq_normplug.atomic_files import pid_running, publish_directory
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.experiments.processes import start_command
+from fairseq_normplug.command_start import start_command
 from fairseq_normplug.prepare import bpe as bpe_methods
 from fairseq_normplug.prepare.cli import DATA_ROOT, Log
 from fairseq_normplug.prepare.text import (
