@@ -34,3 +34,17 @@ def start_command(command: List[str], **popen_options) -> subprocess.Popen:
     :func:`commands_started_by`."""
     starter = _COMMAND_STARTER or subprocess.Popen  # looked up now: tests replace subprocess.Popen
     return starter(command, **popen_options)
+
+
+def run_command(command: List[str], **popen_options) -> subprocess.CompletedProcess:
+    """What ``subprocess.run(command, **popen_options)`` does, the command started by
+    :func:`start_command`: waits for it, with its output where it was piped; an interrupted wait
+    (Ctrl-C, a stop signal) kills it first, so that it does not outlive its caller."""
+    process = start_command(command, **popen_options)
+    try:
+        stdout, stderr = process.communicate()
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)

@@ -34,15 +34,37 @@ def kill():
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def after_update(module):
-    step = module.Trainer.train_step
+def at_update(number, action):
+    """The patch of ``fairseq.trainer``: ``action()`` right after fairseq-train's update
+    ``number()`` (read from the environment when it is reached)."""
+    def patch(module):
+        step = module.Trainer.train_step
 
-    def train_step(self, *args, **kwargs):
-        out = step(self, *args, **kwargs)
-        if self.get_num_updates() == int(point()[1]):
-            kill()
-        return out
-    module.Trainer.train_step = train_step
+        def train_step(self, *args, **kwargs):
+            out = step(self, *args, **kwargs)
+            if self.get_num_updates() == int(number()):
+                action()
+            return out
+        module.Trainer.train_step = train_step
+    return patch
+
+
+def at_decoding_batch(number, action):
+    """The patch of ``fairseq.tasks.fairseq_task``: ``action()`` at fairseq-generate's batch
+    ``number()`` (one ``inference_step`` call per batch, whichever generator); other commands
+    are left alone."""
+    def patch(module):
+        if not sys.argv[0].endswith("fairseq-generate"):
+            return
+        step, calls = module.FairseqTask.inference_step, []
+
+        def counted(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == int(number()):
+                action()
+            return step(self, *args, **kwargs)
+        module.FairseqTask.inference_step = counted
+    return patch
 
 
 def during_copy(module):
@@ -57,19 +79,6 @@ def during_copy(module):
             kill()
         return copy(src, dst, overwrite=overwrite)
     module.PathManager.copy = staticmethod(half_copy)
-
-
-def during_decoding(module):
-    if not sys.argv[0].endswith("fairseq-generate"):
-        return
-    step, calls = module.FairseqTask.inference_step, []  # one call per batch, whichever generator
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == int(point()[1]):
-            kill()
-        return step(self, *args, **kwargs)
-    module.FairseqTask.inference_step = counted
 
 
 def during_write(module):
@@ -87,8 +96,9 @@ def during_write(module):
     module.write_text_atomic = half_write
 
 
-PATCHES = {"update": ("fairseq.trainer", after_update), "copy": ("fairseq.file_io", during_copy),
-           "generate": ("fairseq.tasks.fairseq_task", during_decoding)}
+PATCHES = {"update": ("fairseq.trainer", at_update(lambda: point()[1], kill)),
+           "copy": ("fairseq.file_io", during_copy),
+           "generate": ("fairseq.tasks.fairseq_task", at_decoding_batch(lambda: point()[1], kill))}
 
 
 class PatchAfterImport:
@@ -121,32 +131,8 @@ def pause():
         time.sleep(0.1)
 
 
-def pause_after_update(module):
-    step = module.Trainer.train_step
-
-    def train_step(self, *args, **kwargs):
-        out = step(self, *args, **kwargs)
-        if self.get_num_updates() == int(pause_point()[1]):
-            pause()
-        return out
-    module.Trainer.train_step = train_step
-
-
-def pause_in_decoding(module):
-    if not sys.argv[0].endswith("fairseq-generate"):
-        return
-    step, calls = module.FairseqTask.inference_step, []
-
-    def counted(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == int(pause_point()[1]):
-            pause()
-        return step(self, *args, **kwargs)
-    module.FairseqTask.inference_step = counted
-
-
-PAUSES = {"update": ("fairseq.trainer", pause_after_update),
-          "generate": ("fairseq.tasks.fairseq_task", pause_in_decoding)}
+PAUSES = {"update": ("fairseq.trainer", at_update(lambda: pause_point()[1], pause)),
+          "generate": ("fairseq.tasks.fairseq_task", at_decoding_batch(lambda: pause_point()[1], pause))}
 
 
 def full_disk(module):

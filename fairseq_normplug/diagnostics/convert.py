@@ -54,7 +54,7 @@ from fairseq_normplug.diagnostics.loading import (
 )
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments.portable_paths import shown_path  # noqa: F401 (remove_norms: convert.shown_path)
-from fairseq_normplug.command_start import start_command
+from fairseq_normplug.command_start import run_command
 from fairseq_normplug.models.norm_placement import named_norms, norm_slots
 from fairseq_normplug.diagnostics.conversion_report import (  # noqa: F401 (convert.report_paths, ...)
     render_markdown, report_paths, stage_table, write_report,
@@ -234,14 +234,8 @@ def finetune(checkpoint: str, data_bin: str, save_dir: str, updates: int, lr: fl
     command = [sys.executable, "-m", "fairseq_normplug.diagnostics.finetune", checkpoint, data_bin,
                save_dir, "--updates", str(updates), "--lr", str(lr)]
     with open(log_path, "w", encoding="utf-8") as log:
-        # started as the experiment runner starts its commands (one seam: the tests fork it)
-        process = start_command(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            returncode = process.wait()
-        except BaseException:  # as subprocess.run: the fine-tune does not outlive an interrupted conversion
-            process.kill()
-            process.wait()
-            raise
+        # the one seam that starts commands: the tests fork it
+        returncode = run_command(command, stdout=log, stderr=subprocess.STDOUT).returncode
     if returncode != 0 or not os.path.isfile(result):
         raise NormplugError(f"the fine-tune failed (exit {returncode}); see {log_path}")
     return result

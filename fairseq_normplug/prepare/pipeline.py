@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from fairseq_normplug.atomic_files import pid_running, publish_directory
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.command_start import start_command
+from fairseq_normplug.command_start import run_command
 from fairseq_normplug.prepare import bpe as bpe_methods
 from fairseq_normplug.prepare.cli import DATA_ROOT, Log
 from fairseq_normplug.prepare.text import (
@@ -337,18 +337,11 @@ def _binarize(stage: _Stage, src: str, tgt: str, workers: int, log: Log) -> str:
         args += [f"--{split}pref", os.path.join(stage.dir("bpe"), split)]
     args += ["--destdir", stage.dir("bin"), "--joined-dictionary", "--workers", str(workers)]
     command = [sys.executable, "-m", "fairseq_cli.preprocess", *args]
-    # started as the experiment runner starts its commands (one seam: the tests fork it)
-    process = start_command(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = process.communicate()
-    except BaseException:  # as subprocess.run: fairseq-preprocess does not outlive an interrupted preparation
-        process.kill()
-        process.wait()
-        raise
-    if process.returncode != 0:
-        sys.stderr.write(stdout[-5000:] + stderr[-5000:])
-        last = (stderr.strip() or stdout.strip() or "no output").splitlines()[-1]
-        raise NormplugError(f"fairseq-preprocess failed with exit status {process.returncode}: {last}")
+    proc = run_command(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # the tests fork it
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-5000:])
+        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise NormplugError(f"fairseq-preprocess failed with exit status {proc.returncode}: {last}")
     return "fairseq-preprocess " + " ".join(args).replace(stage.root, "DEST")
 
 
