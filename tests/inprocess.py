@@ -391,23 +391,23 @@ ENVIRONMENT_SETTINGS = {"fairseq_normplug.experiments.launchers": ("HELD_POLL_S"
 
 
 def _settings_read_again() -> None:
-    """:data:`ENVIRONMENT_SETTINGS` set again by their module's own assignment statements (its
-    source, so that the defaults are the module's), run in the module with today's environment."""
-    import ast
+    """:data:`ENVIRONMENT_SETTINGS` set again by each one's own one-line assignment in its
+    module's source (``NAME = float(os.environ.get(...))``, so that the defaults are the module's),
+    run in the module with today's environment. Lines of text, not ``ast`` objects: CPython 3.11's
+    ``ast.parse`` can fail in a child forked deep in a call stack ("AST constructor recursion
+    depth mismatch")."""
     import importlib
-    import inspect
 
     for name, attributes in ENVIRONMENT_SETTINGS.items():
         module = importlib.import_module(name)
-        statements = [node for node in ast.parse(inspect.getsource(module)).body
-                      if isinstance(node, (ast.Assign, ast.AnnAssign))
-                      and {getattr(t, "id", None) for t in getattr(node, "targets", [getattr(node, "target", None)])}
-                      & set(attributes)]
-        found = {t.id for node in statements for t in getattr(node, "targets", [getattr(node, "target", None)])}
-        if found != set(attributes):
-            raise RuntimeError(f"{name} no longer sets {sorted(set(attributes) - found)}: update "
-                               "tests/inprocess.py's ENVIRONMENT_SETTINGS")
-        exec(compile(ast.Module(body=statements, type_ignores=[]), module.__file__, "exec"), vars(module))
+        with open(module.__file__, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for attribute in attributes:
+            assignments = [line for line in lines if line.startswith(f"{attribute} = ")]
+            if len(assignments) != 1:
+                raise RuntimeError(f"{name} no longer sets {attribute} in one line: update "
+                                   "tests/inprocess.py's ENVIRONMENT_SETTINGS")
+            exec(assignments[0], vars(module))
 
 
 def _plugin_state_of_a_new_process() -> None:
