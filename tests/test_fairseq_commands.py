@@ -94,7 +94,8 @@ def test_the_training_benchmarks_preprocessing(tmp_path, monkeypatch):
     from fairseq_normplug.bench import bench_train
 
     commands = []
-    monkeypatch.setattr(bench_train.subprocess, "run", lambda cmd, **kwargs: commands.append(cmd))
+    monkeypatch.setattr(bench_train, "run_command", lambda cmd, **kwargs: commands.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0))
     dest = bench_train.prepare_data(str(tmp_path), 5)
     raw = str(tmp_path / "raw-5")
     assert commands == [[

@@ -27,6 +27,7 @@ from typing import Dict, List
 
 import torch
 
+from fairseq_normplug.command_start import run_command, start_command
 from fairseq_normplug.bench.common import (
     DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
     median, publish, steady_allocator_env,
@@ -96,11 +97,11 @@ def prepare_data(workdir: str, pairs: int) -> str:
     if os.path.exists(os.path.join(dest, "train.src-tgt.src.bin")):
         return dest
     raw = write_corpus(os.path.join(workdir, f"raw-{pairs}"), train=pairs, valid=100, test=100)
-    subprocess.run([
+    run_command([
         program_path("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
         "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref",
         f"{raw}/test", "--destdir", dest, "--joined-dictionary", "--workers", "1",
-    ], check=True, capture_output=True)
+    ], stdout=subprocess.PIPE, stderr=subprocess.PIPE).check_returncode()
     return dest
 
 
@@ -127,8 +128,7 @@ def run_once(cmd: List[str], skip_updates: int, threads: int = 0) -> Dict:
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)
+    proc = start_command(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     words = seconds = 0.0
     first_log = None
     last_update = 0
