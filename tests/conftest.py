@@ -43,12 +43,13 @@ def pytest_configure(config):
 #: the files that take longest (measured on 2 cores, longest first): collected first, so that the
 #: parallel workers of scripts/test.sh (pytest-xdist, one file per worker at a time) start them
 #: first and finish together instead of one worker ending the run alone
-SLOW_FILES = ("test_cli.py", "test_prepare.py", "test_trust.py", "test_one_owner.py", "test_fast_norms.py",
-              "test_experiments.py", "test_launchers.py", "test_gpu_check.py", "test_kill_rerun.py", "test_diagnostics.py",
-              "test_lr_schedulers_cli.py", "test_wheel.py", "test_hub.py", "test_entry_points.py", "test_demo.py",
-              "test_precision.py", "test_beyond.py", "test_cpu_converge.py", "test_figures.py", "test_placements.py",
-              "test_admin.py",
-              "test_zero_centered_gamma.py", "test_norm_weight_decay.py", "test_normformer.py", "test_export_ct2.py")
+SLOW_FILES = ("test_trust.py", "test_launchers.py", "test_prepare.py", "test_cli.py", "test_one_owner.py",
+              "test_fast_norms.py", "test_wheel.py", "test_experiments.py", "test_export_ct2.py",
+              "test_diagnostics.py", "test_normplug_extension_example.py", "test_gpu_check.py", "test_add_row.py",
+              "test_entry_points.py", "test_hub.py", "test_placements.py", "test_beyond.py", "test_kill_rerun.py",
+              "test_demo.py", "test_figures.py", "test_hydra.py", "test_admin.py", "test_precision.py",
+              "test_ngpt.py", "test_denseformer.py", "test_sigma_reparam.py", "test_siamese_output_norm.py",
+              "test_cpu_converge.py", "test_decoding.py", "test_doors.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
