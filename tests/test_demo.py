@@ -50,10 +50,12 @@ def recipe(data_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def two_corpora(demo_corpus):
-    """Two corpora in folders named x/raw, each through demo.sh: [(corpus, prepared folder)]."""
+    """Two corpora in folders named x/raw, each through demo.sh: [(corpus, prepared folder)]
+    (the preparation's fairseq-preprocess a fork of this process: tests/inprocess.py's forked_commands)."""
     root, run = demo_corpus
     corpora = [make_corpus(str(root / "a" / "x" / "raw"), "alpha"), make_corpus(str(root / "b" / "x" / "raw"), "beta")]
-    return [(corpus, run(corpus)) for corpus in corpora]
+    with forked_commands():
+        return [(corpus, run(corpus)) for corpus in corpora]
 
 
 @pytest.mark.slow
