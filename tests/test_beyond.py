@@ -24,7 +24,7 @@ from fairseq_normplug.modules.qknorm import (HeadNormProjection, length_percenti
 from fairseq_normplug.modules.residual_scale import deepnorm_constants, layerscale_init
 from fairseq_normplug.modules.weight_init import tfixup_scales
 from model_helpers import build, incremental_and_full, parse_args, randomized, toy_batch
-from test_cli import USER_DIR, train
+from test_cli import NO_LOADER_WORKERS, USER_DIR, train
 
 TINY = "transformer_normplug_tiny"
 CPU = "transformer_normplug_cpu"  # d=256, FFN 1024, 3+3 layers: enough weights for statistics
@@ -272,7 +272,8 @@ def test_cli_train_and_generate(tiny_bin, tmp_path):
     checkpoint = str(save_dir / "checkpoint_last.pt")
     gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
                        "--beam", "3", "--cpu", "--max-tokens", "4000", "--gen-subset", "test",
-                       "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
+                       "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6",
+                       *NO_LOADER_WORKERS])
     assert len([line for line in gen.stdout.splitlines() if line.startswith("H-")]) == 100
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)
     stored = state["cfg"]["model"].qknorm_g0

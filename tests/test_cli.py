@@ -22,6 +22,11 @@ TRAIN_COMMON = [
 #: decodings bounded as the runner's dev decodes are (a barely trained model would go on to
 #: fairseq's default of 200 tokens; the tiny corpus's sentences have at most 14)
 SHORT_DECODES = ["--max-len-a", "1.2", "--max-len-b", "10"]
+#: an in-process decode reads its batches in this process, as TRAIN_COMMON's trainings do:
+#: fairseq's default (--num-workers 1) forks a data-loader worker that, when the finished
+#: iterator is garbage-collected later in the test process, does not exit, and torch waits 5 s
+#: for it before killing it
+NO_LOADER_WORKERS = ["--num-workers", "0"]
 COMBINATIONS = {
     "prenorm-scalenorm-fixnorm-smallinit": ["--prenorm", "--scalenorm", "--fixnorm", "--smallinit"],
     "postnorm-layernorm": [],
@@ -129,7 +134,7 @@ def test_generate_from_checkpoint(trained, tiny_bin, name):
     save_dir, _, _ = trained[name]
     proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
                         os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "4", "--cpu",
-                        "--max-tokens", "4000", "--gen-subset", "test", *SHORT_DECODES,
+                        "--max-tokens", "4000", "--gen-subset", "test", *SHORT_DECODES, *NO_LOADER_WORKERS,
                         # fairseq's main branch drops the last batch unless it is a multiple of this
                         "--required-batch-size-multiple", "1"])
     hypotheses = [line for line in proc.stdout.splitlines() if line.startswith("H-")]
@@ -145,7 +150,7 @@ def test_interactive_and_hub_give_the_same_translation(trained, tiny_bin, tiny_r
     sentence = open(os.path.join(tiny_raw, "test.src")).readline()
     proc = run_fairseq([cli("fairseq-interactive"), tiny_bin, "--user-dir", USER_DIR, "--path",
                         os.path.join(save_dir, "checkpoint_last.pt"), "--beam", "2", "--cpu", "--source-lang", "src",
-                        "--target-lang", "tgt"], input=sentence)
+                        "--target-lang", "tgt", *NO_LOADER_WORKERS], input=sentence)
     (interactive,) = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-0\t")]
     _, score, text = interactive
     assert text.strip() and -1e3 < float(score) < 0

@@ -14,6 +14,7 @@ from fairseq.models import FairseqEncoder, FairseqEncoderDecoderModel, FairseqIn
 from fairseq.sequence_generator import SequenceGenerator
 
 from model_helpers import build, randomized
+from test_cli import NO_LOADER_WORKERS
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.tasks.gnmt_generator import GnmtSequenceGenerator, gnmt_length_penalty
 from fairseq_normplug.tasks.gnmt_search import GnmtBeamSearchGenerator
@@ -240,7 +241,7 @@ def test_fairseq_generate_with_gnmt_search_is_batch_independent(tiny_bin, tiny_m
     argv = [tiny_bin, "--user-dir", USER_DIR, "--path", path, "--cpu", "--task", "translation_normplug",
             "--gnmt-alpha", "0.6", "--gnmt-search", "--beam", "4", "--max-len-a", "1", "--max-len-b", "5",
             "--max-tokens", "60", "--required-batch-size-multiple", "1", "--gen-subset", "test",
-            "--source-lang", "src", "--target-lang", "tgt", "--results-path", str(tmp_path)]
+            "--source-lang", "src", "--target-lang", "tgt", "--results-path", str(tmp_path), *NO_LOADER_WORKERS]
     generate.main(options.parse_args_and_arch(options.get_generation_parser(), argv))
     text = (tmp_path / "generate-test.txt").read_text()
     hypotheses = {int(i): h for i, h in re.findall(r"^H-(\d+)\t\S+\t(.*)$", text, flags=re.M)}

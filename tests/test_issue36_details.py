@@ -19,7 +19,7 @@ from fairseq_normplug.modules.qknorm import HeadNormProjection, install_qknorm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from model_helpers import (assert_incremental_matches_full, assert_training_steps_reach_every_parameter, build,
                            randomized, toy_batch)
-from test_cli import USER_DIR, log_records, train
+from test_cli import NO_LOADER_WORKERS, USER_DIR, log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
 D = 16
@@ -130,7 +130,8 @@ def test_fairseq_train_20_updates_and_generate(tiny_bin, tmp_path):
     assert not any(k.endswith("self_attn_layer_norm.weight") for k in state)
     gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path", checkpoint,
                        "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "test",
-                       "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
+                       "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6",
+                       *NO_LOADER_WORKERS])
     assert len([line for line in gen.stdout.splitlines() if line.startswith("H-")]) == 100
 
 

@@ -19,7 +19,7 @@ from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.scale_norm import ScaleNorm, scale_norm_reference
 from model_helpers import build, norm_type_flags, parse_args, toy_batch
-from test_cli import TRAIN_COMMON, USER_DIR, log_records
+from test_cli import NO_LOADER_WORKERS, TRAIN_COMMON, USER_DIR, log_records
 
 TINY = "transformer_normplug_tiny"
 COMBINATIONS = list(itertools.product(("--postnorm", "--prenorm"), NORM_TYPES, (False, True)))
@@ -211,7 +211,8 @@ def test_generate_fp16_from_a_half_trained_fixnorm_checkpoint(half_trained, tiny
     proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR,
                         "--path", str(save_dir / "checkpoint_last.pt"), "--fp16", "--cpu",
                         "--beam", "2", "--max-sentences", "50", "--required-batch-size-multiple", "1",
-                        "--gen-subset", "valid", "--max-len-b", "10"], env={"NORMPLUG_COMPILE": "0"})
+                        "--gen-subset", "valid", "--max-len-b", "10", *NO_LOADER_WORKERS],
+                       env={"NORMPLUG_COMPILE": "0"})
     scores = [float(line.split("\t")[1]) for line in proc.stdout.splitlines()
               if line.startswith("H-")]
     assert len(scores) == 100 and all(-1e4 < s <= 0 for s in scores)

@@ -241,8 +241,9 @@ def test_gpas_with_checkpoint_activations_gives_the_same_gradients(tiny_bin):
     ["--postnorm", "--residual-scale", "deepnorm", "--gpas"],
 ], ids=["pre-gpas-seednorm", "sandwich-gpas-seednorm2", "deepnorm-gpas"])
 def test_twenty_updates_finite_and_beam_search(tiny_bin, tmp_path, flags):
+    # batches of 500 tokens (a quarter of test_resume's): twenty updates of fairseq-train, cheaply
     records = train_in_process(tiny_bin, str(tmp_path), *flags, "--max-epoch", "8", "--max-update", "20",
-                               "--update-freq", "1")
+                               "--update-freq", "1", "--max-tokens", "500")
     losses = [loss for _, micro, _ in records for loss in micro]
     assert records[-1][0] == 20 and all(math.isfinite(loss) for loss in losses)
     (model,), _, task = checkpoint_utils.load_model_ensemble_and_task([str(tmp_path / "checkpoint_last.pt")])

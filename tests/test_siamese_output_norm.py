@@ -13,7 +13,7 @@ from conftest import cli
 from inprocess import run_fairseq
 from fairseq_normplug.errors import NormplugError
 from model_helpers import build, parse_args, toy_batch
-from test_cli import USER_DIR, log_records, train
+from test_cli import NO_LOADER_WORKERS, USER_DIR, log_records, train
 from test_placements import TINY, future_mask, placed, sublayers
 from test_precision import AGREEMENT, HALF, padded_batch, smoothed_loss
 
@@ -125,5 +125,5 @@ def test_train_20_updates_and_generate(tiny_bin, tmp_path, placement):
     gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",
                        str(save_dir / "checkpoint_last.pt"), "--beam", "2", "--cpu", "--max-tokens", "4000",
                        "--gen-subset", "test", "--required-batch-size-multiple", "1", "--max-len-a", "0",
-                       "--max-len-b", "6"])
+                       "--max-len-b", "6", *NO_LOADER_WORKERS])
     assert len([line for line in gen.stdout.splitlines() if line.startswith("H-")]) == 100

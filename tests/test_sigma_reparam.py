@@ -27,14 +27,15 @@ def train_and_generate(data_bin, save_dir, flags, updates=10):
     statistics every 5, then fairseq-generate (in this process) on the valid set from its last
     checkpoint: (the train_inner log records, the hypotheses, the checkpoint's model state)."""
     from inprocess import run_fairseq
-    from test_cli import TRAIN_COMMON, USER_DIR, log_records
+    from test_cli import NO_LOADER_WORKERS, TRAIN_COMMON, USER_DIR, log_records
 
     train = run_fairseq(["fairseq-train", data_bin, "--arch", TINY, *TRAIN_COMMON, "--save-dir", save_dir,
                          "--max-update", updates, "--log-interval", "5", "--norm-stats-interval", "5", *flags])
     checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
     generate = run_fairseq(["fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
                             "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "valid",
-                            "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6"])
+                            "--required-batch-size-multiple", "1", "--max-len-a", "0", "--max-len-b", "6",
+                            *NO_LOADER_WORKERS])
     hypotheses = [line for line in generate.stdout.splitlines() if line.startswith("H-")]
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]
     return log_records(train, "train_inner"), hypotheses, state

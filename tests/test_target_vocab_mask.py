@@ -15,7 +15,7 @@ from fairseq_normplug.criterions.masked_label_smoothed_cross_entropy import mask
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.modules.target_vocab_mask import MASKED_LOGIT, TargetVocabMask, masked_logit_value
 from model_helpers import build, parse_args, toy_batch
-from test_cli import USER_DIR, log_records
+from test_cli import NO_LOADER_WORKERS, USER_DIR, log_records
 
 TINY = "transformer_normplug_tiny"
 MASKED = ["--target-vocab-mask", "--share-all-embeddings", "--output-bias"]
@@ -216,7 +216,8 @@ def test_fp16_training_then_decoding_from_a_folder_without_training_data(tiny_bi
                         "--task", "translation_normplug", "--gnmt-alpha", "0.6",
                         "--path", str(save_dir / "checkpoint_last.pt"),
                         "--fp16", "--cpu", "--beam", "3", "--max-sentences", "50", "--gen-subset", "valid",
-                        "--max-len-a", "0", "--max-len-b", "12", "--required-batch-size-multiple", "1"], env={"NORMPLUG_COMPILE": "0"})
+                        "--max-len-a", "0", "--max-len-b", "12", "--required-batch-size-multiple", "1",
+                        *NO_LOADER_WORKERS], env={"NORMPLUG_COMPILE": "0"})
     hypotheses = [line.split("\t") for line in proc.stdout.splitlines() if line.startswith("H-")]
     assert len(hypotheses) == 100
     assert all(-1e4 < float(score) <= 0 for _, score, _ in hypotheses)
