@@ -288,7 +288,13 @@ class ForkedCommand(ForkedProcess):
         """``at_start``: called in the child before the command (with its ``sys.argv`` and
         environment), as a ``sitecustomize`` on its PYTHONPATH would run in a new process."""
         # imported here, before the fork
-        self._cli_main, self._argv = _command_entry([str(a) for a in args])
+        command = [str(a) for a in args]
+        self._cli_main, self._argv = _command_entry(command)
+        if os.path.basename(command[0]) == "fairseq-train" or command[1:2] == ["-m"]:
+            # a training (fairseq-train, the python -m fine-tune and hydra entry points) imports
+            # torch._dynamo when it builds its optimizer (torch.optim's Optimizer.__init__, ~1.5
+            # CPU s): once here, in this process, not again in every forked training
+            import torch._dynamo  # noqa: F401
         self._at_start = at_start
         super().__init__(args, **popen_options)
 

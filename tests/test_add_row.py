@@ -27,7 +27,7 @@ TABLE = {"title": "A baseline", "recipe": "test_add_row", "pairs": ["src-tgt"],
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     recipe = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
-              "train": {"--max-update": "20", "--validate-interval-updates": "10"}}
+              "train": {"--max-update": "10", "--validate-interval-updates": "10"}}
     config_dir = write_configs(tmp_path_factory.mktemp("configs") / "configs", {"test_add_row": recipe},
                                {"small": TABLE})
     return load_table("small", config_dir)
