@@ -219,10 +219,13 @@ def one_job(orch):
 
 
 @pytest.fixture(scope="module")
-def two_jobs(orch):
+def two_jobs(orch, one_job):
     """The same table by two jobs at once, their commands forked by the launcher's two worker
     threads (the launcher's concurrency is the subject, not the start of a process; real
-    processes give what forked children give: the submitit test's first run)."""
+    processes give what forked children give: the submitit test's first run). After
+    ``one_job``: every module the runner and its commands import lazily is imported already, so
+    that no worker thread imports one while the other forks (a child would inherit the import
+    half done, its lock held by a thread that the child does not have)."""
     with forked_commands():
         return table_run(orch, "orch", LocalLauncher(jobs=2, cpus_per_run=1, visible_devices=[]), "jobs2")
 
