@@ -162,8 +162,8 @@ FAILING = {"title": "A diverging and a failing row", "recipe": "test_orch", "pai
 
 
 @pytest.fixture(scope="module")
-def orch(tiny_raw, tiny_bin, tmp_path_factory):
-    """Config folder with the two-row tiny table, and a prepared data folder on the tiny corpus."""
+def orch(tiny_data_folder, tmp_path_factory):
+    """Config folder with the two-row tiny table, and a data folder on the tiny corpus (conftest)."""
     root = tmp_path_factory.mktemp("orch")
     config_dir = root / "configs"
     shutil.copytree(CONFIG_DIR, config_dir)
@@ -171,12 +171,7 @@ def orch(tiny_raw, tiny_bin, tmp_path_factory):
     recipes["test_orch"] = RECIPE
     (config_dir / "recipes.json").write_text(json.dumps(recipes))
     (config_dir / "experiments" / "orch.json").write_text(json.dumps(TWO_ROWS))
-    data = root / "data"
-    (data / "ref").mkdir(parents=True)
-    os.symlink(tiny_bin, data / "bin")
-    shutil.copy(os.path.join(tiny_raw, "test.tgt"), data / "ref" / "test.tok.tgt")
-    (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
-    return root, str(config_dir), str(data)
+    return root, str(config_dir), tiny_data_folder
 
 
 def table_run(orch, name, launcher, out_name):
