@@ -31,8 +31,8 @@ the pipes and files the runner gave it, its environment and working folder, and 
 status the command's; torch computes on one thread in it (GNU OpenMP cannot start a pool of
 several in a fork of a process that used one), as the runner's tests ask of their runs. Tests
 whose subject is the runner's logic (what it trains, skips, resumes, records and scores)
-choose it, with one launcher job or several (``--jobs 2``: the launcher's worker threads fork
-them); test_launchers' submitit test checks that real processes give what forked children give.
+choose it, one launcher job at a time (test_launchers' ``--jobs 2`` table forks only its test
+decodings from the launcher's worker threads; its trainings are real processes).
 
 A launcher itself (the runner in a process of its own: test_trust's ``launcher.py`` running
 ``run_table``) can be such a fork too: :class:`ForkedLauncher` (``ForkedLauncher(main, stdout=log,
@@ -50,8 +50,9 @@ launcher started while the first trains, a launcher stopped by SIGTERM, SIGINT o
 its trainer or decoder is held, test_kill_rerun's jobs killed at four points) use it: their
 subject is the launcher's logic under kills, signals and concurrency, not the start of a Python.
 Real processes stay where the process itself is the subject: the shell scripts (train.sh
-stopped by SIGTERM), submitit, preflight's memory, and one test with two real launcher
-processes on one folder (test_trust's ``test_two_launchers_started_at_once_train_each_run_once``).
+stopped by SIGTERM), submitit, ``--jobs 2`` (trainings started from several threads),
+preflight's memory, and one test with two real launcher processes on one folder
+(test_trust's ``test_two_launchers_started_at_once_train_each_run_once``).
 """
 import contextlib
 import io

@@ -7,13 +7,15 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 import torch
 
-from inprocess import forked_commands
+from inprocess import ForkedCommand, forked_commands
+from fairseq_normplug.command_start import commands_started_by
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import demo, launchers, reproduce
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
@@ -208,20 +210,28 @@ def log_span(log_path) -> tuple:
 @pytest.fixture(scope="module")
 def one_job(orch):
     """The table by one job, its fairseq commands in forked children of this process
-    (tests/inprocess.py's forked_commands)."""
+    (tests/inprocess.py's forked_commands); ``two_jobs``, the same table, its trainings by real
+    processes."""
     with forked_commands():
         return table_run(orch, "orch", LocalLauncher(jobs=1, cpus_per_run=1, visible_devices=[]), "jobs1")
 
 
+def real_trainings_forked_decodings(command, **popen_options) -> subprocess.Popen:
+    """A run's fairseq-train as a real process, its fairseq-generate as a forked child of this
+    process (tests/inprocess.py's ForkedCommand): a starter for ``commands_started_by``."""
+    if os.path.basename(command[0]) == "fairseq-generate":
+        return ForkedCommand(command, **popen_options)
+    return subprocess.Popen(command, **popen_options)
+
+
 @pytest.fixture(scope="module")
 def two_jobs(orch, one_job):
-    """The same table by two jobs at once, their commands forked by the launcher's two worker
-    threads (the launcher's concurrency is the subject, not the start of a process; real
-    processes give what forked children give: the submitit test's first run). After
-    ``one_job``: every module the runner and its commands import lazily is imported already, so
-    that no worker thread imports one while the other forks (a child would inherit the import
-    half done, its lock held by a thread that the child does not have)."""
-    with forked_commands():
+    """The same table by two jobs at once: its two trainings real fairseq-train processes, started
+    by the launcher's two worker threads (compared with ``one_job``'s forked ones), its test
+    decodings forked children (their start is not the subject). After ``one_job``: every module
+    the runner and its commands import lazily is imported already, so that no worker thread
+    imports one while the other forks a decoding (the child would inherit the import half done)."""
+    with commands_started_by(real_trainings_forked_decodings):
         return table_run(orch, "orch", LocalLauncher(jobs=2, cpus_per_run=1, visible_devices=[]), "jobs2")
 
 
@@ -231,7 +241,7 @@ def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
     assert [r["status"] for r in results1] == ["ok", "ok"] and not results1.failed and not results2.failed
     assert csv_without_times(out1) == csv_without_times(out2)
     assert (out1 / "results" / "results.md").exists() and (out2 / "results" / "results.md").exists()
-    for slug in ("prenorm", "prenorm-fixnorm-scalenorm"):  # one job = two jobs, run by run
+    for slug in ("prenorm", "prenorm-fixnorm-scalenorm"):  # forked children (one job) = real trainers (two)
         run1, run2 = (out / "runs" / "orch" / "src-tgt" / slug for out in (out1, out2))
         assert run_records_without_times(run1) == run_records_without_times(run2), slug
     spans = {}
@@ -254,10 +264,11 @@ def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
 def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orch, one_job):
     """The same jobs as on SLURM, run by submitit's local executor; the second run gets the
     preemption signal (SIGUSR2) once its first checkpoint is complete (checkpoint_last.pt, the
-    last copy fairseq writes, as large as the interval checkpoint): it is requeued and resumes. The
-    first run trains and decodes in its job's real fairseq processes and gives what --jobs 1's
-    forked children gave: its records, translations and scores."""
+    last copy fairseq writes, as large as the interval checkpoint): it is requeued and resumes. (The
+    first run's folder is --jobs 1's finished one: its job only finds it done, to save time.)"""
     root, _, _ = orch
+    shutil.copytree(one_job[0] / "runs" / "orch" / "src-tgt" / "prenorm", root / "slurm" / "runs" / "orch" /
+                    "src-tgt" / "prenorm")
     launcher = SlurmLauncher(folder=str(root / "submitit"), cluster="local", gpus_per_run=0, cpus_per_run=1,
                              time_limit_min=30)
     preempted = root / "slurm" / "runs" / "orch" / "src-tgt" / "prenorm-fixnorm-scalenorm"
@@ -290,8 +301,6 @@ def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orc
     job_log = open(launcher.submitted[str(preempted)].paths.stdout, encoding="utf-8").read()
     assert "time limit or preemption: stopping" in job_log and "training (resuming)" in job_log
     assert sum("] job " in m and " ended: done" in m for m in messages) == 2
-    real, forked = (out / "runs" / "orch" / "src-tgt" / "prenorm" for out in (out, one_job[0]))
-    assert run_records_without_times(real) == run_records_without_times(forked)  # real processes = forked children
 
 
 def test_a_failed_run_makes_the_exit_status_non_zero_a_diverged_one_does_not(fake_data, tmp_path, monkeypatch,
