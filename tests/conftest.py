@@ -210,6 +210,19 @@ def tiny_bin(tiny_raw, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_data_folder(tiny_raw, tiny_bin, tmp_path_factory):
+    """``tiny_bin`` as a data folder the experiment runner takes (bin/ linked to it, the raw test
+    targets as ref/test.tok.tgt, manifest.json), without running scripts/prepare_corpus.sh
+    (``tiny_prepared``): for tests whose subject is the runner's tables, not the preparation."""
+    data = tmp_path_factory.mktemp("runner-data") / "src-tgt"
+    (data / "ref").mkdir(parents=True)
+    os.symlink(tiny_bin, data / "bin")
+    shutil.copy(os.path.join(tiny_raw, "test.tgt"), data / "ref" / "test.tok.tgt")
+    (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
+    return str(data)
+
+
+@pytest.fixture(scope="session")
 def tiny_prepared(tiny_raw, tmp_path_factory):
     """``tiny_raw`` prepared by scripts/prepare_corpus.sh (30 BPE merges): a data folder
     with bin/, ref/ and manifest.json, as the experiment scripts take it."""

@@ -31,7 +31,8 @@ the pipes and files the runner gave it, its environment and working folder, and 
 status the command's; torch computes on one thread in it (GNU OpenMP cannot start a pool of
 several in a fork of a process that used one), as the runner's tests ask of their runs. Tests
 whose subject is the runner's logic (what it trains, skips, resumes, records and scores)
-choose it, one launcher job at a time.
+choose it, one launcher job at a time (test_launchers' ``--jobs 2`` table forks only its test
+decodings from the launcher's worker threads; its trainings are real processes).
 
 A launcher itself (the runner in a process of its own: test_trust's ``launcher.py`` running
 ``run_table``) can be such a fork too: :class:`ForkedLauncher` (``ForkedLauncher(main, stdout=log,
@@ -49,7 +50,7 @@ launcher started while the first trains, a launcher stopped by SIGTERM, SIGINT o
 its trainer or decoder is held, test_kill_rerun's jobs killed at four points) use it: their
 subject is the launcher's logic under kills, signals and concurrency, not the start of a Python.
 Real processes stay where the process itself is the subject: the shell scripts (train.sh
-stopped by SIGTERM), submitit, ``--jobs 2`` (commands started from several threads),
+stopped by SIGTERM), submitit, ``--jobs 2`` (trainings started from several threads),
 preflight's memory, and one test with two real launcher processes on one folder
 (test_trust's ``test_two_launchers_started_at_once_train_each_run_once``).
 """
@@ -275,6 +276,19 @@ class ForkedProcess(subprocess.Popen):
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
 
+def _import_what_a_training_imports() -> None:
+    """torch._dynamo, which a training (fairseq-train, the ``python -m`` fine-tune and hydra entry
+    points) imports when it builds its optimizer (torch.optim's ``Optimizer.__init__``, ~1.5 CPU
+    s): imported once in this process, not again in every forked training. This process's
+    environment stays as it was (the import sets ``$TORCHINDUCTOR_CACHE_DIR`` to its default,
+    which inductor sets again where it needs it)."""
+    saved = dict(os.environ)
+    import torch._dynamo  # noqa: F401
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 class ForkedCommand(ForkedProcess):
     """``subprocess.Popen(command, ...)`` of a fairseq console script (``command[0]``: ``fairseq-train``,
     ``fairseq-generate``, ... bare or as a path) or of ``python -m MODULE ...`` (:func:`_command_entry`: the
@@ -288,7 +302,10 @@ class ForkedCommand(ForkedProcess):
         """``at_start``: called in the child before the command (with its ``sys.argv`` and
         environment), as a ``sitecustomize`` on its PYTHONPATH would run in a new process."""
         # imported here, before the fork
-        self._cli_main, self._argv = _command_entry([str(a) for a in args])
+        command = [str(a) for a in args]
+        self._cli_main, self._argv = _command_entry(command)
+        if os.path.basename(command[0]) == "fairseq-train" or command[1:2] == ["-m"]:
+            _import_what_a_training_imports()
         self._at_start = at_start
         super().__init__(args, **popen_options)
 

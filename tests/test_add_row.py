@@ -27,7 +27,7 @@ TABLE = {"title": "A baseline", "recipe": "test_add_row", "pairs": ["src-tgt"],
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     recipe = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
-              "train": {"--max-update": "20", "--validate-interval-updates": "10"}}
+              "train": {"--max-update": "10", "--validate-interval-updates": "10"}}
     config_dir = write_configs(tmp_path_factory.mktemp("configs") / "configs", {"test_add_row": recipe},
                                {"small": TABLE})
     return load_table("small", config_dir)
@@ -80,8 +80,8 @@ def test_the_command_line_refuses_before_any_work(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_prepared, tmp_path):
-    runs, data = str(tmp_path / "runs"), {"src-tgt": tiny_prepared}
+def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_data_folder, tmp_path):
+    runs, data = str(tmp_path / "runs"), {"src-tgt": tiny_data_folder}
     with forked_commands():
         run_table(table, ["src-tgt"], data, runs, str(tmp_path / "before"), echo=lambda message: None)
     kept = {name: os.path.getmtime(os.path.join(runs, "small", "src-tgt", name, "train.log"))

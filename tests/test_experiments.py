@@ -42,7 +42,7 @@ def prepared(tiny_prepared):
 @pytest.fixture(scope="module")
 def tiny_table(tmp_path_factory):
     recipe = {"base": "cpu_tiny", "decoding": {"beam": 2}, "generate": {"--max-tokens": "4000"},
-              "train": {"--max-update": "40", "--validate-interval-updates": "20",
+              "train": {"--max-update": "20", "--validate-interval-updates": "10",
                         "--log-interval": "10", "--norm-stats-interval": "10"}}
     config_dir = write_configs(tmp_path_factory.mktemp("configs") / "configs", {"test_tiny": recipe},
                                {"tiny": TINY_TABLE})
@@ -70,7 +70,7 @@ def test_results_table_and_figures(reproduced):
     for row in rows:
         if row["status"] == "ok":
             assert 0 <= float(row["tokenized_bleu"]) <= 100 and 0 <= float(row["sacrebleu"]) <= 100
-            assert int(row["updates"]) == 40
+            assert int(row["updates"]) == 20
             assert float(row["length_ratio"]) > 0
     scaled = next(r for r in rows if r["row"] == "PreNorm + FixNorm + ScaleNorm")
     assert 0 < float(scaled["p_value"]) <= 1
@@ -79,7 +79,7 @@ def test_results_table_and_figures(reproduced):
     assert "PreNorm + FixNorm + ScaleNorm" in markdown and "diverged" in markdown
     pngs = [f for f in os.listdir(out / "results") if f.endswith(".png")]
     assert len(pngs) >= 2
-    assert any("update 20" in m and "dev BLEU" in m for m in messages)
+    assert any("update 10" in m and "dev BLEU" in m for m in messages)
 
 
 @pytest.mark.slow
@@ -116,7 +116,7 @@ def test_interrupted_run_resumes(tiny_table, prepared, tmp_path):
     assert first["status"] == "done" and first["updates"] == 10
     run.set_status(status="running")  # as if it had been killed
     second = train(run, [], echo=lambda m: None)
-    assert second["status"] == "done" and second["updates"] == 40
+    assert second["status"] == "done" and second["updates"] == 20
     assert "Loaded checkpoint" in (tmp_path / "run" / "train.log").read_text()
     # its checkpoints lost (a run folder copied without them): it starts again with a new log
     shutil.rmtree(tmp_path / "run" / "checkpoints")
@@ -128,7 +128,7 @@ def test_interrupted_run_resumes(tiny_table, prepared, tmp_path):
     assert any("training (starting)" in m for m in messages) and not any("resuming" in m for m in messages)
     log = (tmp_path / "run" / "train.log").read_text()
     assert "Loaded checkpoint" not in log and 'num_updates": "10"' in log
-    assert 'num_updates": "40"' not in log
+    assert 'num_updates": "20"' not in log
     assert len(list((tmp_path / "run").glob("train.log.no-checkpoint-*"))) == 1
 
 

@@ -7,13 +7,15 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
 import torch
 
-from inprocess import forked_commands
+from inprocess import ForkedCommand, forked_commands
+from fairseq_normplug.command_start import commands_started_by
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import demo, launchers, reproduce
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_table
@@ -162,8 +164,8 @@ FAILING = {"title": "A diverging and a failing row", "recipe": "test_orch", "pai
 
 
 @pytest.fixture(scope="module")
-def orch(tiny_raw, tiny_bin, tmp_path_factory):
-    """Config folder with the two-row tiny table, and a prepared data folder on the tiny corpus."""
+def orch(tiny_data_folder, tmp_path_factory):
+    """Config folder with the two-row tiny table, and a data folder on the tiny corpus (conftest)."""
     root = tmp_path_factory.mktemp("orch")
     config_dir = root / "configs"
     shutil.copytree(CONFIG_DIR, config_dir)
@@ -171,12 +173,7 @@ def orch(tiny_raw, tiny_bin, tmp_path_factory):
     recipes["test_orch"] = RECIPE
     (config_dir / "recipes.json").write_text(json.dumps(recipes))
     (config_dir / "experiments" / "orch.json").write_text(json.dumps(TWO_ROWS))
-    data = root / "data"
-    (data / "ref").mkdir(parents=True)
-    os.symlink(tiny_bin, data / "bin")
-    shutil.copy(os.path.join(tiny_raw, "test.tgt"), data / "ref" / "test.tok.tgt")
-    (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
-    return root, str(config_dir), str(data)
+    return root, str(config_dir), tiny_data_folder
 
 
 def table_run(orch, name, launcher, out_name):
@@ -213,14 +210,29 @@ def log_span(log_path) -> tuple:
 @pytest.fixture(scope="module")
 def one_job(orch):
     """The table by one job, its fairseq commands in forked children of this process
-    (tests/inprocess.py's forked_commands); ``two_jobs``, the same table, by real processes."""
+    (tests/inprocess.py's forked_commands); ``two_jobs``, the same table, its trainings by real
+    processes."""
     with forked_commands():
         return table_run(orch, "orch", LocalLauncher(jobs=1, cpus_per_run=1, visible_devices=[]), "jobs1")
 
 
+def real_trainings_forked_decodings(command, **popen_options) -> subprocess.Popen:
+    """A run's fairseq-train as a real process, its fairseq-generate as a forked child of this
+    process (tests/inprocess.py's ForkedCommand): a starter for ``commands_started_by``."""
+    if os.path.basename(command[0]) == "fairseq-generate":
+        return ForkedCommand(command, **popen_options)
+    return subprocess.Popen(command, **popen_options)
+
+
 @pytest.fixture(scope="module")
-def two_jobs(orch):
-    return table_run(orch, "orch", LocalLauncher(jobs=2, cpus_per_run=1, visible_devices=[]), "jobs2")
+def two_jobs(orch, one_job):
+    """The same table by two jobs at once: its two trainings real fairseq-train processes, started
+    by the launcher's two worker threads (compared with ``one_job``'s forked ones), its test
+    decodings forked children (their start is not the subject). After ``one_job``: every module
+    the runner and its commands import lazily is imported already, so that no worker thread
+    imports one while the other forks a decoding (the child would inherit the import half done)."""
+    with commands_started_by(real_trainings_forked_decodings):
+        return table_run(orch, "orch", LocalLauncher(jobs=2, cpus_per_run=1, visible_devices=[]), "jobs2")
 
 
 @pytest.mark.slow
@@ -229,7 +241,7 @@ def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
     assert [r["status"] for r in results1] == ["ok", "ok"] and not results1.failed and not results2.failed
     assert csv_without_times(out1) == csv_without_times(out2)
     assert (out1 / "results" / "results.md").exists() and (out2 / "results" / "results.md").exists()
-    for slug in ("prenorm", "prenorm-fixnorm-scalenorm"):  # forked children (one job) = real processes (two)
+    for slug in ("prenorm", "prenorm-fixnorm-scalenorm"):  # forked children (one job) = real trainers (two)
         run1, run2 = (out / "runs" / "orch" / "src-tgt" / slug for out in (out1, out2))
         assert run_records_without_times(run1) == run_records_without_times(run2), slug
     spans = {}
