@@ -116,7 +116,7 @@ def isolated_env(venv, root) -> dict:
 @pytest.mark.slow
 def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_bin, tmp_path):
     venv, site, env = fresh_venv
-    # fairseq-normplug-path once (a process that imports the plugin): printed, then given to fairseq-train
+    # fairseq-normplug-path once (the installed package's folder): printed, then given to fairseq-train
     script = ('USER_DIR="$(fairseq-normplug-path)" && echo "$USER_DIR" && '
               'python -m fairseq_cli.train "$DATA" --user-dir "$USER_DIR" '
               "--arch transformer_normplug_tiny --prenorm --scalenorm --optimizer adam --lr 1e-3 "
