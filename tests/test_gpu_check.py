@@ -2,13 +2,17 @@
 without CUDA, and the verdicts on broken runs."""
 import json
 import os
+import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from fairseq_normplug.bench import gpu_check
 from fairseq_normplug.bench.gpu_check import Deadline, Report
+from fairseq_normplug.command_start import commands_started_by
+from inprocess import ForkedCommand
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without a CUDA device")
@@ -22,11 +26,28 @@ def test_refuses_in_one_line_without_cuda(tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
+def forks_from_this_thread():
+    """Context manager: the check's commands started by this thread (fairseq-generate and the two
+    benchmarks, after the trainer thread has ended) as forks of this process (tests/inprocess.py's
+    ForkedCommand: the start-up of Python, torch and fairseq spared); train_half's, started by the
+    trainer thread while this one computes norm_paths, stay real processes (a fork then could copy
+    a lock the computing thread holds)."""
+    caller = threading.current_thread()
+
+    def start(command, **popen_options):
+        if threading.current_thread() is caller:
+            return ForkedCommand(command, **popen_options)
+        return subprocess.Popen(command, **popen_options)
+
+    return commands_started_by(start)
+
+
 @pytest.mark.slow
 def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path):
     out = tmp_path / "report" / "gpu_check.md"
-    status = gpu_check.main(["--device", "cpu", "--data", tiny_bin, "--workdir",
-                             str(tmp_path / "work"), "--out", str(out), "--budget-s", "3000"])
+    with forks_from_this_thread():
+        status = gpu_check.main(["--device", "cpu", "--data", tiny_bin, "--workdir",
+                                 str(tmp_path / "work"), "--out", str(out), "--budget-s", "3000"])
     report = json.loads(out.with_suffix(".json").read_text())
     failed = [c for c in report["checks"] if c["status"] != "pass"]
     assert status == 0 and report["status"] == "pass", failed
