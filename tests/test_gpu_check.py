@@ -26,17 +26,29 @@ def test_refuses_in_one_line_without_cuda(tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
+#: what a forked child keeps for its life (it ends by os._exit: nothing is restored)
+CHILD_STATE = []
+
+
+def its_commands_forked_too() -> None:
+    """In a forked child, before its command: the commands it starts (bench_train's trainings) are
+    forks of it in turn (it runs no other thread)."""
+    forked = commands_started_by(ForkedCommand)
+    forked.__enter__()
+    CHILD_STATE.append(forked)  # a collected context manager would restore the real processes
+
+
 def forks_from_this_thread():
     """Context manager: the check's commands started by this thread (fairseq-generate and the two
-    benchmarks, after the trainer thread has ended) as forks of this process (tests/inprocess.py's
-    ForkedCommand: the start-up of Python, torch and fairseq spared); train_half's, started by the
-    trainer thread while this one computes norm_paths, stay real processes (a fork then could copy
-    a lock the computing thread holds)."""
+    benchmarks, after the trainer thread has ended), and bench_train's trainings, as forks of this
+    process (tests/inprocess.py's ForkedCommand: the start-up of Python, torch and fairseq spared);
+    train_half's, started by the trainer thread while this one computes norm_paths, stay real
+    processes (a fork then could copy a lock the computing thread holds)."""
     caller = threading.current_thread()
 
     def start(command, **popen_options):
         if threading.current_thread() is caller:
-            return ForkedCommand(command, **popen_options)
+            return ForkedCommand(command, at_start=its_commands_forked_too, **popen_options)
         return subprocess.Popen(command, **popen_options)
 
     return commands_started_by(start)
