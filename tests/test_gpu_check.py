@@ -2,7 +2,6 @@
 without CUDA, and the verdicts on broken runs."""
 import json
 import os
-import subprocess
 import sys
 import threading
 
@@ -38,26 +37,37 @@ def its_commands_forked_too() -> None:
     CHILD_STATE.append(forked)  # a collected context manager would restore the real processes
 
 
-def forks_from_this_thread():
-    """Context manager: the check's commands started by this thread (fairseq-generate and the two
-    benchmarks, after the trainer thread has ended), and bench_train's trainings, as forks of this
-    process (tests/inprocess.py's ForkedCommand: the start-up of Python, torch and fairseq spared);
-    train_half's, started by the trainer thread while this one computes norm_paths, stay real
-    processes (a fork then could copy a lock the computing thread holds)."""
+def forked_commands_of_the_check(monkeypatch):
+    """Context manager: every command the check starts (train_half's trainings, fairseq-generate,
+    the two benchmarks and bench_train's trainings) a fork of this process or of its forked child
+    (tests/inprocess.py's ForkedCommand: the start-up of Python, torch and fairseq spared). The
+    trainer thread forks only once norm_paths has ended in this thread (which then only waits for
+    it), never while this one computes: a fork then could copy a lock the computing thread holds.
+    The trainings start a moment later than in a real run; what they do is the same."""
     caller = threading.current_thread()
+    norm_paths_ended = threading.Event()
+    run_norm_paths = gpu_check.run_norm_paths
+
+    def run_norm_paths_then_say_so(*args):
+        try:
+            return run_norm_paths(*args)
+        finally:
+            norm_paths_ended.set()
+
+    monkeypatch.setattr(gpu_check, "run_norm_paths", run_norm_paths_then_say_so)
 
     def start(command, **popen_options):
-        if threading.current_thread() is caller:
-            return ForkedCommand(command, at_start=its_commands_forked_too, **popen_options)
-        return subprocess.Popen(command, **popen_options)
+        if threading.current_thread() is not caller:
+            norm_paths_ended.wait()
+        return ForkedCommand(command, at_start=its_commands_forked_too, **popen_options)
 
     return commands_started_by(start)
 
 
 @pytest.mark.slow
-def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path):
+def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path, monkeypatch):
     out = tmp_path / "report" / "gpu_check.md"
-    with forks_from_this_thread():
+    with forked_commands_of_the_check(monkeypatch):
         status = gpu_check.main(["--device", "cpu", "--data", tiny_bin, "--workdir",
                                  str(tmp_path / "work"), "--out", str(out), "--budget-s", "3000"])
     report = json.loads(out.with_suffix(".json").read_text())
