@@ -2,6 +2,7 @@
 without CUDA, and the verdicts on broken runs."""
 import json
 import os
+import subprocess
 import sys
 import threading
 
@@ -187,3 +188,22 @@ def test_runs_past_the_budget_are_skipped_not_started(tmp_path):
     assert [(c["name"], c["status"]) for c in report.checks] == [("run0", "skipped"),
                                                                  ("run1", "skipped")]
     assert not report.passed()
+
+
+def test_a_decoding_past_its_deadline_is_killed_and_recorded_as_a_timeout(tmp_path):
+    """run_generate's command, started through the seam (here a 60 s sleep in its place), is
+    killed when its section's deadline passes (run_command's timeout): a timeout, not a hang."""
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    checkpoint.write_bytes(b"")
+    started = []
+
+    def sleep_instead(command, **popen_options):
+        started.append(subprocess.Popen(["sleep", "60"], **popen_options))
+        return started[-1]
+
+    report = Report()
+    with commands_started_by(sleep_instead):
+        gpu_check.run_generate(report, str(tmp_path), str(checkpoint), "fp32", torch.device("cpu"), Deadline(0))
+    assert [(c["name"], c["status"], c["detail"]) for c in report.checks] == [
+        (f"fairseq-generate {gpu_check.FIXNORM_ROW}", "timeout", "killed at the section deadline")]
+    assert started[0].returncode == -9  # killed (SIGKILL), and waited for
