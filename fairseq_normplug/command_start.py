@@ -1,8 +1,10 @@
 """The one place where the plugin starts its commands as processes: the experiment runner's
 fairseq-train and fairseq-generate (``experiments/processes.py``), the norm conversion's
-fine-tune (``diagnostics/convert.py``) and the data preparation's fairseq-preprocess
-(``prepare/pipeline.py``). By default a real process (``subprocess.Popen``); a test whose subject
-is the logic around a command, not the process, chooses another starter for a block
+fine-tune (``diagnostics/convert.py``), the data preparation's fairseq-preprocess
+(``prepare/pipeline.py``), the GPU check's trainings, decoding and benchmarks
+(``bench/gpu_check.py``, ``bench/gpu_check_training.py``) and the training benchmark's runs
+(``bench/bench_train.py``). By default a real process (``subprocess.Popen``); a test whose
+subject is the logic around a command, not the process, chooses another starter for a block
 (``commands_started_by``: ``tests/inprocess.py``'s ``forked_commands`` runs each command in a
 forked child of the test process). Standard library only, so that every layer can use it."""
 import subprocess
@@ -36,13 +38,14 @@ def start_command(command: List[str], **popen_options) -> subprocess.Popen:
     return starter(command, **popen_options)
 
 
-def run_command(command: List[str], **popen_options) -> subprocess.CompletedProcess:
-    """What ``subprocess.run(command, **popen_options)`` does, the command started by
-    :func:`start_command`: waits for it, with its output where it was piped; an interrupted wait
-    (Ctrl-C, a stop signal) kills it first, so that it does not outlive its caller."""
+def run_command(command: List[str], timeout: Optional[float] = None, **popen_options) -> subprocess.CompletedProcess:
+    """What ``subprocess.run(command, timeout=timeout, **popen_options)`` does, the command started
+    by :func:`start_command`: waits for it, with its output where it was piped; an interrupted wait
+    (Ctrl-C, a stop signal, ``timeout`` seconds passed: ``subprocess.TimeoutExpired``) kills it
+    first, so that it does not outlive its caller."""
     process = start_command(command, **popen_options)
     try:
-        stdout, stderr = process.communicate()
+        stdout, stderr = process.communicate(timeout=timeout)
     except BaseException:
         process.kill()
         process.wait()

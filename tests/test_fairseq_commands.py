@@ -131,7 +131,7 @@ def test_the_gpu_checks_train_and_generate_commands(tmp_path, monkeypatch):
         commands.append(cmd)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(gpu_check_training.subprocess, "run", fake_run)
+    monkeypatch.setattr(gpu_check_training, "run_command", fake_run)  # the one seam (command_start)
     gpu_check_training.run_generate(Report(), "/d", str(checkpoint), "fp16", torch.device("cpu"), Deadline(60))
     assert commands == [[
         GENERATE, "/d", "--user-dir", PLUGIN, "--path", str(checkpoint), "--fp16", "--cpu", "--beam", "4",

@@ -2,13 +2,17 @@
 without CUDA, and the verdicts on broken runs."""
 import json
 import os
+import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from fairseq_normplug.bench import gpu_check
 from fairseq_normplug.bench.gpu_check import Deadline, Report
+from fairseq_normplug.command_start import commands_started_by
+from inprocess import ForkedCommand
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without a CUDA device")
@@ -22,11 +26,51 @@ def test_refuses_in_one_line_without_cuda(tmp_path, capsys):
     assert not os.listdir(tmp_path)
 
 
+#: what a forked child keeps for its life (it ends by os._exit: nothing is restored)
+CHILD_STATE = []
+
+
+def its_commands_forked_too() -> None:
+    """In a forked child, before its command: the commands it starts (bench_train's trainings) are
+    forks of it in turn (it runs no other thread)."""
+    forked = commands_started_by(ForkedCommand)
+    forked.__enter__()
+    CHILD_STATE.append(forked)  # a collected context manager would restore the real processes
+
+
+def forked_commands_of_the_check(monkeypatch):
+    """Context manager: every command the check starts (train_half's trainings, fairseq-generate,
+    the two benchmarks and bench_train's trainings) a fork of this process or of its forked child
+    (tests/inprocess.py's ForkedCommand: the start-up of Python, torch and fairseq spared). The
+    trainer thread forks only once norm_paths has ended in this thread (which then only waits for
+    it), never while this one computes: a fork then could copy a lock the computing thread holds.
+    The trainings start a moment later than in a real run; what they do is the same."""
+    caller = threading.current_thread()
+    norm_paths_ended = threading.Event()
+    run_norm_paths = gpu_check.run_norm_paths
+
+    def run_norm_paths_then_say_so(*args):
+        try:
+            return run_norm_paths(*args)
+        finally:
+            norm_paths_ended.set()
+
+    monkeypatch.setattr(gpu_check, "run_norm_paths", run_norm_paths_then_say_so)
+
+    def start(command, **popen_options):
+        if threading.current_thread() is not caller:
+            norm_paths_ended.wait()
+        return ForkedCommand(command, at_start=its_commands_forked_too, **popen_options)
+
+    return commands_started_by(start)
+
+
 @pytest.mark.slow
-def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path):
+def test_cpu_test_mode_end_to_end(tiny_bin, tmp_path, monkeypatch):
     out = tmp_path / "report" / "gpu_check.md"
-    status = gpu_check.main(["--device", "cpu", "--data", tiny_bin, "--workdir",
-                             str(tmp_path / "work"), "--out", str(out), "--budget-s", "3000"])
+    with forked_commands_of_the_check(monkeypatch):
+        status = gpu_check.main(["--device", "cpu", "--data", tiny_bin, "--workdir",
+                                 str(tmp_path / "work"), "--out", str(out), "--budget-s", "3000"])
     report = json.loads(out.with_suffix(".json").read_text())
     failed = [c for c in report["checks"] if c["status"] != "pass"]
     assert status == 0 and report["status"] == "pass", failed
@@ -144,3 +188,22 @@ def test_runs_past_the_budget_are_skipped_not_started(tmp_path):
     assert [(c["name"], c["status"]) for c in report.checks] == [("run0", "skipped"),
                                                                  ("run1", "skipped")]
     assert not report.passed()
+
+
+def test_a_decoding_past_its_deadline_is_killed_and_recorded_as_a_timeout(tmp_path):
+    """run_generate's command, started through the seam (here a 60 s sleep in its place), is
+    killed when its section's deadline passes (run_command's timeout): a timeout, not a hang."""
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    checkpoint.write_bytes(b"")
+    started = []
+
+    def sleep_instead(command, **popen_options):
+        started.append(subprocess.Popen(["sleep", "60"], **popen_options))
+        return started[-1]
+
+    report = Report()
+    with commands_started_by(sleep_instead):
+        gpu_check.run_generate(report, str(tmp_path), str(checkpoint), "fp32", torch.device("cpu"), Deadline(0))
+    assert [(c["name"], c["status"], c["detail"]) for c in report.checks] == [
+        (f"fairseq-generate {gpu_check.FIXNORM_ROW}", "timeout", "killed at the section deadline")]
+    assert started[0].returncode == -9  # killed (SIGKILL), and waited for

@@ -23,7 +23,7 @@ import pytest
 from prepare_fixtures import write_pairs
 
 import fairseq_normplug
-from conftest import REPO, run_cli
+from conftest import REPO, cli, run_cli
 from fairseq_normplug import install_plan
 
 #: what setuptools prints when package data is declared badly (the old setup.py's csrc/)
@@ -116,7 +116,7 @@ def isolated_env(venv, root) -> dict:
 @pytest.mark.slow
 def test_fairseq_train_with_the_installed_plugin_from_anywhere(fresh_venv, tiny_bin, tmp_path):
     venv, site, env = fresh_venv
-    # fairseq-normplug-path once (a process that imports the plugin): printed, then given to fairseq-train
+    # fairseq-normplug-path once (the installed package's folder): printed, then given to fairseq-train
     script = ('USER_DIR="$(fairseq-normplug-path)" && echo "$USER_DIR" && '
               'python -m fairseq_cli.train "$DATA" --user-dir "$USER_DIR" '
               "--arch transformer_normplug_tiny --prenorm --scalenorm --optimizer adam --lr 1e-3 "
@@ -172,6 +172,15 @@ def test_the_projects_jobs_run_from_the_installed_wheel_outside_the_repository(f
     (row,) = list(csv.DictReader(open(project / "results" / "demo" / "results.csv", newline="")))
     assert row["status"] == "ok" and int(row["updates"]) == 4
     assert [p.name for p in (project / "data").iterdir()] and not os.path.exists(os.path.join(site, "data"))
+
+
+def test_the_path_printer_imports_neither_torch_nor_fairseq(tmp_path):
+    """``fairseq-normplug-path`` (README: ``--user-dir "$(fairseq-normplug-path)"`` on every
+    command) prints the package's folder without importing torch or fairseq (3 CPU s each)."""
+    proc = run_cli([sys.executable, "-X", "importtime", cli("fairseq-normplug-path")], cwd=str(tmp_path))
+    assert proc.stdout.strip() == os.path.dirname(fairseq_normplug.__file__)
+    imported = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "fairseq_normplug.cli" in imported and not imported & {"torch", "fairseq", "fairseq_normplug.models"}
 
 
 def test_the_licence_the_citation_and_one_version():

@@ -39,6 +39,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from fairseq_normplug.command_start import run_command
 from fairseq_normplug.bench.bench_norms import candidates
 from fairseq_normplug.bench.bench_train import prepare_data
 from fairseq_normplug.bench.common import DEFAULT_RESULTS, machine_line, markdown_table, write_results
@@ -152,9 +153,9 @@ def run_norm_paths(report: Report, cfg: Dict, device: torch.device, deadline: De
 
 def run_benchmark(module: str, argv: List[str], out: str, deadline: Deadline) -> Dict:
     """Run ``python -m module argv --out out`` within the deadline; its JSON results."""
-    proc = subprocess.run([sys.executable, "-m", module, *argv, "--out", out],
-                          capture_output=True, text=True, timeout=max(1, deadline.left()),
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = run_command([sys.executable, "-m", module, *argv, "--out", out], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, timeout=max(1, deadline.left()),
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or [""]
         raise RuntimeError(f"{module} exit status {proc.returncode}: {tail[0][-300:]}")

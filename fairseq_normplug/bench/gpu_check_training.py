@@ -11,6 +11,7 @@ from typing import Dict, List, Optional
 import torch
 
 from fairseq_normplug.bench.check_report import Deadline, Report
+from fairseq_normplug.command_start import run_command, start_command
 from fairseq_normplug.experiments.training_log import json_records
 from fairseq_normplug.fairseq_commands import fairseq_command
 
@@ -88,7 +89,7 @@ def run_trainings(report: Report, jobs: List[Dict], at_once: int, deadline: Dead
             log = open(job["log"], "w")
             env = {**os.environ, "PYTHONWARNINGS": "ignore",
                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-            proc = subprocess.Popen(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = start_command(job["cmd"], stdout=log, stderr=subprocess.STDOUT, env=env)
             running.append((job, proc, log, time.time()))
         time.sleep(0.2)
         for entry in list(running):
@@ -152,8 +153,8 @@ def run_generate(report: Report, data: str, checkpoint: str, precision: str,
                           "--required-batch-size-multiple", "1")
     start = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, deadline.left()),
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        proc = run_command(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=max(1, deadline.left()), env={**os.environ, "PYTHONWARNINGS": "ignore"})
     except subprocess.TimeoutExpired:
         report.add("generate", name, "timeout", detail="killed at the section deadline",
                    seconds=time.time() - start)

@@ -5,8 +5,16 @@ They check the formula against the authors' code, the norm under every registere
 (finite, every parameter trained, incremental decoding = the full forward), and the whole path:
 ``fairseq-train --normplug-modules`` with the norm's own flag, the checkpoint recording the
 extension, ``fairseq-generate`` and the hub decoding it without being told about the extension,
-a moved extension named in one line, and an installed package's entry point.
+a moved extension named in one line, and an installed package's entry point. A command runs as a
+process of its own where the process matters (the extension named only on its command line, in an
+environment variable or by an entry point; the one-line error; fairseq-generate decoding it
+unprompted), else in this process, as fairseq's own tests run its tools, with the extension taken
+out of it first.
 """
+import contextlib
+import importlib
+import io
+import logging
 import os
 import subprocess
 import sys
@@ -44,9 +52,45 @@ def extension():
 
     load_extensions(EXTENSION)
     yield NORM_TYPES["prmsnorm"]
-    del NORM_TYPES["prmsnorm"], PLACEMENTS["parallel"], LOADED["normplug_extension_example"]
+    unload_extension()
+
+
+def unload_extension():
+    """The extension taken out of this process (its norm, its placement, its modules), as a new
+    process starts without it."""
+    from fairseq_normplug.extensions import LOADED
+    from fairseq_normplug.models.placements import PLACEMENTS
+
+    NORM_TYPES.pop("prmsnorm", None), PLACEMENTS.pop("parallel", None), LOADED.pop("normplug_extension_example", None)
     for name in [name for name in sys.modules if name.startswith("normplug_extension_example")]:
         del sys.modules[name]
+
+
+def run_here(tool, *args, input_text=None, cwd=None):
+    """fairseq's command-line tool ``tool`` (``generate``, ``interactive``, ``validate``) run in this
+    process, as fairseq's own tests run theirs (``generate.main``), after the extension is taken
+    out of it (:func:`unload_extension`): the checkpoint alone must bring it back. Returns what the
+    command prints and logs (fairseq's log format) and reads ``input_text`` as its standard input."""
+    from fairseq.logging import metrics
+
+    unload_extension()
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s"))
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level, sys.argv, sys.stdin, os.getcwd()
+    root.handlers, sys.argv, sys.stdin = [handler], [f"fairseq-{tool}", *map(str, args)], io.StringIO(input_text or "")
+    root.setLevel(logging.INFO)
+    metrics.reset()  # as a new process has them
+    try:
+        os.chdir(cwd or os.getcwd())
+        with contextlib.redirect_stdout(out):
+            importlib.import_module(f"fairseq_cli.{tool}").cli_main()
+    finally:
+        (root.handlers, level, sys.argv, sys.stdin, cwd_before) = saved
+        root.setLevel(level)
+        os.chdir(cwd_before)
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -226,28 +270,29 @@ def test_fairseq_train_takes_the_norm_and_its_flag_and_records_the_extension(tra
 
 @pytest.mark.slow
 def test_fairseq_generate_and_the_hub_decode_without_being_told(trained, corpus):
+    """fairseq-generate as a process of its own; fairseq-interactive, fairseq-validate and the hub in
+    this process, each after the extension is taken out of it (``run_here``)."""
+    from fairseq_normplug.models import TransformerNormplugModel
+
     save_dir, _ = trained
     proc = run(f"{BIN}/fairseq-generate", corpus, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt",
                "--beam", "2", "--max-len-b", "20", "--cpu", "--batch-size", "16", cwd=str(save_dir))
     assert "Generate test with beam=2" in proc.stdout + proc.stderr
-    interactive = run(f"{BIN}/fairseq-interactive", corpus, "--user-dir", USER_DIR, "--path",
-                      save_dir / "checkpoint_last.pt", "--cpu", "--beam", "2", "--source-lang", "src",
-                      "--target-lang", "tgt", input_text="w1 w2 w3\n", cwd=str(save_dir))
-    assert interactive.stdout.count("\nH-0\t") == 1
-    validate = run(f"{BIN}/fairseq-validate", corpus, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt",
-                   "--cpu", "--task", "translation", "--valid-subset", "valid", "--max-tokens", "1000", cwd=str(save_dir))
-    assert "| valid on 'valid' subset | loss" in validate.stdout + validate.stderr
-    hub = run(sys.executable, "-c", (
-        "import sys, fairseq_normplug\n"
-        "from fairseq_normplug.models import TransformerNormplugModel\n"
-        "hub = TransformerNormplugModel.from_pretrained(sys.argv[1], 'checkpoint_last.pt', sys.argv[2])\n"
-        "norms = [m for m in hub.models[0].modules() if type(m).__name__ == 'PartialRMSNorm']\n"
-        "print(len(norms), {m.partial for m in norms}, type(hub.models[0].decoder.layers[1].placement).__name__,\n"
-        "      repr(hub.translate('w1 w2 w3')))"),
-        save_dir, corpus, cwd=str(save_dir))
-    count, partial, placement, _ = hub.stdout.strip().splitlines()[-1].split(" ", 3)
-    assert placement == "ParallelLayers"
-    assert int(count) == 2 * 2 + 2 * 3 + 2 and partial == "{16}"  # 2+2 layers and 2 final norms, d=64, p=0.25
+    interactive = run_here("interactive", corpus, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt",
+                           "--cpu", "--beam", "2", "--source-lang", "src", "--target-lang", "tgt",
+                           input_text="w1 w2 w3\n", cwd=str(save_dir))
+    assert interactive.count("\nH-0\t") == 1
+    validate = run_here("validate", corpus, "--user-dir", USER_DIR, "--path", save_dir / "checkpoint_last.pt",
+                        "--cpu", "--task", "translation", "--valid-subset", "valid", "--max-tokens", "1000",
+                        cwd=str(save_dir))
+    assert "| valid on 'valid' subset | loss" in validate
+    unload_extension()
+    hub = TransformerNormplugModel.from_pretrained(str(save_dir), "checkpoint_last.pt", corpus)
+    norms = [m for m in hub.models[0].modules() if type(m).__name__ == "PartialRMSNorm"]
+    hub.translate("w1 w2 w3")
+    assert type(hub.models[0].decoder.layers[1].placement).__name__ == "ParallelLayers"
+    # 2+2 layers and 2 final norms, d=64, p=0.25
+    assert len(norms) == 2 * 2 + 2 * 3 + 2 and {m.partial for m in norms} == {16}
 
 
 @pytest.mark.slow
@@ -276,11 +321,11 @@ def test_a_moved_extension_is_named_in_one_line(trained, corpus, tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if "normplug_extension_example" in line]
     assert len(lines) == 1 and "does not exist" in lines[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    # pointed to its new place, as the line says
-    proc = run(f"{BIN}/fairseq-generate", corpus, "--user-dir", USER_DIR, "--path", tmp_path / "moved.pt",
-               "--cpu", "--batch-size", "16", "--model-overrides", repr({"normplug_modules": EXTENSION}),
-               cwd=str(tmp_path))
-    assert "Generate test with beam=" in proc.stdout + proc.stderr
+    # pointed to its new place, as the line says (in this process, the extension taken out of it first)
+    output = run_here("generate", corpus, "--user-dir", USER_DIR, "--path", tmp_path / "moved.pt", "--cpu",
+                      "--batch-size", "16", "--model-overrides", repr({"normplug_modules": EXTENSION}),
+                      cwd=str(tmp_path))
+    assert "Generate test with beam=" in output
 
 
 @pytest.mark.slow
