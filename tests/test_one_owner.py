@@ -19,6 +19,7 @@ import pytest
 
 import fault_hooks
 from conftest import REPO
+from inprocess import forked_commands
 from test_trust import trust  # noqa: F401 (fixture)
 from test_trust import (copy_reference_runs, finish, launcher_here, run_dir, start_launcher, table_csv,
                         uninterrupted_table, wait_for, write_lock)
@@ -293,9 +294,10 @@ def test_a_killed_launchers_trainer_keeps_the_run_until_it_ends(trust, prenorm_r
 
 @pytest.mark.slow
 def test_train_sh_stopped_by_sigterm_ends_its_trainer_and_the_same_command_resumes(trust, monkeypatch, capsys):
-    """scripts/train.sh (single_run.train_main, in this process): SIGTERM while fairseq-train is
-    held after update 7 ends it, releases the run and exits with one line; the same command
-    resumes from update 5 and trains to update 10."""
+    """scripts/train.sh (single_run.train_main, in this process): SIGTERM while fairseq-train (a
+    real process, held after update 7 by the fault hooks' sitecustomize) is held ends it, releases
+    the run and exits with one line; the same command resumes from update 5 and trains to update
+    10 (its fairseq-train forked: the resume is the runner's logic, not its process's)."""
     root, configs, data = trust
     monkeypatch.setattr(single_run, "load_table", lambda name: load_table(name, configs))
     folder = str(root / "train-sh" / "prenorm")
@@ -324,7 +326,7 @@ def test_train_sh_stopped_by_sigterm_ends_its_trainer_and_the_same_command_resum
     assert not os.path.exists(os.path.join(folder, ownership.LOCK_NAME))
     assert json.load(open(os.path.join(folder, "status.json")))["status"] == "running"
     monkeypatch.delenv("NORMPLUG_TEST_PAUSE_AT")
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit) as exit_info, forked_commands():
         single_run.train_main(argv)
     assert exit_info.value.code == 0
     status = json.load(open(os.path.join(folder, "status.json")))
