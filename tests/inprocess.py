@@ -240,7 +240,8 @@ class ForkedProcess(subprocess.Popen):
     #: modules a forked command imports on first use that this process may not have imported yet,
     #: imported here before the fork so that each child inherits them instead of importing them
     #: again: torch._dynamo, which torch.optim imports when fairseq-train builds its optimizer
-    #: (about 1 CPU s of each forked training)
+    #: (about 1 CPU s of each forked training); this process's environment is left as it was
+    #: (importing it sets TORCHINDUCTOR_CACHE_DIR, which torch sets again where it needs it)
     IMPORTED_BEFORE_THE_FORK = ("torch._dynamo",)
 
     def __init__(self, args, **popen_options):
@@ -248,8 +249,11 @@ class ForkedProcess(subprocess.Popen):
         if unsupported:
             raise ValueError(f"{type(self).__name__} does not take {', '.join(unsupported)}")
         self._new_session = bool(popen_options.get("start_new_session"))
-        for module in self.IMPORTED_BEFORE_THE_FORK:
-            importlib.import_module(module)
+        missing = [module for module in self.IMPORTED_BEFORE_THE_FORK if module not in sys.modules]
+        if missing:
+            with _environment(None):
+                for module in missing:
+                    importlib.import_module(module)
         super().__init__(args, **popen_options)
 
     def _child_main(self, args):
