@@ -55,6 +55,7 @@ preflight's memory, and one test with two real launcher processes on one folder
 (test_trust's ``test_two_launchers_started_at_once_train_each_run_once``).
 """
 import contextlib
+import importlib
 import io
 import logging
 import os
@@ -237,12 +238,23 @@ class ForkedProcess(subprocess.Popen):
     #: Popen options a subclass's child does not apply
     UNSUPPORTED = ("preexec_fn", "shell", "executable", "pass_fds", "process_group", "user", "group",
                    "extra_groups", "umask")
+    #: modules a forked command imports on first use that this process may not have imported yet,
+    #: imported here before the fork so that each child inherits them instead of importing them
+    #: again: torch._dynamo, which torch.optim imports when fairseq-train builds its optimizer
+    #: (about 1 CPU s of each forked training); this process's environment is left as it was
+    #: (importing it sets TORCHINDUCTOR_CACHE_DIR, which torch sets again where it needs it)
+    IMPORTED_BEFORE_THE_FORK = ("torch._dynamo",)
 
     def __init__(self, args, **popen_options):
         unsupported = sorted(k for k in self.UNSUPPORTED if popen_options.get(k) not in (None, False, (), -1))
         if unsupported:
             raise ValueError(f"{type(self).__name__} does not take {', '.join(unsupported)}")
         self._new_session = bool(popen_options.get("start_new_session"))
+        missing = [module for module in self.IMPORTED_BEFORE_THE_FORK if module not in sys.modules]
+        if missing:
+            with _environment(None):
+                for module in missing:
+                    importlib.import_module(module)
         super().__init__(args, **popen_options)
 
     def _child_main(self, args):

@@ -19,8 +19,10 @@ import pytest
 
 import fault_hooks
 from conftest import REPO
-from test_trust import reference, trust  # noqa: F401 (fixtures)
-from test_trust import finish, launcher_here, run_dir, start_launcher, table_csv, wait_for, write_lock
+from inprocess import forked_commands
+from test_trust import trust  # noqa: F401 (fixture)
+from test_trust import (copy_reference_runs, finish, launcher_here, run_dir, start_launcher, table_csv,
+                        uninterrupted_table, wait_for, write_lock)
 from fairseq_normplug.experiments import ownership, runner, single_run
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.launchers import LocalLauncher
@@ -180,6 +182,14 @@ def test_a_stopped_launcher_with_parallel_runs_ends_them_all_and_starts_no_other
 
 # --------------------------------------------------------------------------- fault tests
 
+
+@pytest.fixture(scope="module")
+def prenorm_reference(trust):
+    """test_trust's table of the PreNorm row (the one row the fault tests below run), uninterrupted:
+    its results.csv, and its run in ``reference``/runs."""
+    return uninterrupted_table(trust, rows=["PreNorm"])
+
+
 #: tests/fault_hooks.py as a sitecustomize: with NORMPLUG_TEST_PAUSE_AT=update:N (after
 #: fairseq-train's update N) or generate:N (fairseq-generate's N-th batch), the process writes
 #: its pid to $NORMPLUG_TEST_PAUSED and waits there until a signal ends it
@@ -228,9 +238,16 @@ def kill_if_alive(pid):
     pytest.param("update:7", "launcher", signal.SIGHUP, id="HUP-launcher-training"),
 ])
 def test_a_stopped_launcher_ends_its_process_and_the_rerun_equals_the_uninterrupted_table(
-        trust, reference, pause_at, target, signum):
+        trust, prenorm_reference, pause_at, target, signum):
+    """Stopped while its fairseq-train is held after update 7, or its fairseq-generate at its first
+    batch: for the decoder, the launcher starts on a copy of the uninterrupted run, trained and not
+    yet scored (its training is not what is stopped)."""
     root = trust[0]
     out = f"stop-{pause_at.replace(':', '')}-{target}-{signal.Signals(signum).name}"
+    if pause_at.startswith("generate"):
+        trained = copy_reference_runs(root, out) / "prenorm"
+        for name in ("scores.json", "generate-test.txt"):
+            os.remove(trained / name)
     stopped, paused = start_paused_launcher(trust, out, out, pause_at)
     pid = held_pid(stopped, paused)
     try:
@@ -244,12 +261,12 @@ def test_a_stopped_launcher_ends_its_process_and_the_rerun_equals_the_uninterrup
     log = (root / f"rerun-{out}.log").read_text()
     assert "took the run over" not in log  # released by the stopped launcher
     assert ("training (resuming)" in log) == pause_at.startswith("update")
-    assert table_csv(root / out, f"rerun-{out}-results") == reference[:1]
+    assert table_csv(root / out, f"rerun-{out}-results") == prenorm_reference
     assert not [name for name in os.listdir(run_dir(root / out, "prenorm")) if ".tmp" in name]
 
 
 @pytest.mark.slow
-def test_a_killed_launchers_trainer_keeps_the_run_until_it_ends(trust, reference):
+def test_a_killed_launchers_trainer_keeps_the_run_until_it_ends(trust, prenorm_reference):
     """SIGKILL to the launcher alone: its trainer goes on, and the lock names it; a re-run
     waits for it (held), then takes the run over and ends with the uninterrupted table."""
     root, out = trust[0], "kill-launcher"
@@ -272,14 +289,15 @@ def test_a_killed_launchers_trainer_keeps_the_run_until_it_ends(trust, reference
     assert finish(rerun) == 0
     text = log.read_text()
     assert "its process is gone, and so is its trainer" in text and "training (resuming)" in text
-    assert table_csv(root / out, f"rerun-{out}-results") == reference[:1]
+    assert table_csv(root / out, f"rerun-{out}-results") == prenorm_reference
 
 
 @pytest.mark.slow
 def test_train_sh_stopped_by_sigterm_ends_its_trainer_and_the_same_command_resumes(trust, monkeypatch, capsys):
-    """scripts/train.sh (single_run.train_main, in this process): SIGTERM while fairseq-train is
-    held after update 7 ends it, releases the run and exits with one line; the same command
-    resumes from update 5 and trains to update 10."""
+    """scripts/train.sh (single_run.train_main, in this process): SIGTERM while fairseq-train (a
+    real process, held after update 7 by the fault hooks' sitecustomize) is held ends it, releases
+    the run and exits with one line; the same command resumes from update 5 and trains to update
+    10 (its fairseq-train forked: the resume is the runner's logic, not its process's)."""
     root, configs, data = trust
     monkeypatch.setattr(single_run, "load_table", lambda name: load_table(name, configs))
     folder = str(root / "train-sh" / "prenorm")
@@ -308,7 +326,7 @@ def test_train_sh_stopped_by_sigterm_ends_its_trainer_and_the_same_command_resum
     assert not os.path.exists(os.path.join(folder, ownership.LOCK_NAME))
     assert json.load(open(os.path.join(folder, "status.json")))["status"] == "running"
     monkeypatch.delenv("NORMPLUG_TEST_PAUSE_AT")
-    with pytest.raises(SystemExit) as exit_info:
+    with pytest.raises(SystemExit) as exit_info, forked_commands():
         single_run.train_main(argv)
     assert exit_info.value.code == 0
     status = json.load(open(os.path.join(folder, "status.json")))

@@ -107,18 +107,24 @@ def run_dir(out, slug):
     return os.path.join(out, "runs", *RUNS, slug)
 
 
-@pytest.fixture(scope="module")
-def reference(trust):
-    """The two-row table, uninterrupted, by one launcher in this process, its fairseq commands in
-    forked children (tests/inprocess.py's forked_commands); the launchers of the tests below
-    (two real processes, the others forked launchers) must give the same table."""
+def uninterrupted_table(trust, rows=()) -> list:
+    """The two-row table (or its ``rows``), uninterrupted, by one launcher in this process into
+    ``reference``/runs, its fairseq commands in forked children (tests/inprocess.py's
+    forked_commands): its results.csv (:func:`table_csv`)."""
     root, configs, data = trust
     out = root / "reference"
     with forked_commands():
         results = reproduce.run_table(load_table("trust", configs), ["src-tgt"], {"src-tgt": data},
-                                      str(out / "runs"), str(out / "results"), echo=lambda m: None)
-    assert [r["status"] for r in results] == ["ok", "ok"] and not results.failed
+                                      str(out / "runs"), str(out / "results"), list(rows), echo=lambda m: None)
+    assert [r["status"] for r in results] == ["ok"] * len(rows or TWO_ROWS["rows"]) and not results.failed
     return table_csv(out)
+
+
+@pytest.fixture(scope="module")
+def reference(trust):
+    """The two-row table, uninterrupted (:func:`uninterrupted_table`); the launchers of the tests
+    below (two real processes, the others forked launchers) must give the same table."""
+    return uninterrupted_table(trust)
 
 
 def start_launcher(trust, out, name, rows=(), real=False, env=(), at_start=None):
