@@ -288,19 +288,6 @@ class ForkedProcess(subprocess.Popen):
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
 
-def _import_what_a_training_imports() -> None:
-    """torch._dynamo, which a training (fairseq-train, the ``python -m`` fine-tune and hydra entry
-    points) imports when it builds its optimizer (torch.optim's ``Optimizer.__init__``, ~1.5 CPU
-    s): imported once in this process, not again in every forked training. This process's
-    environment stays as it was (the import sets ``$TORCHINDUCTOR_CACHE_DIR`` to its default,
-    which inductor sets again where it needs it)."""
-    saved = dict(os.environ)
-    import torch._dynamo  # noqa: F401
-    if os.environ != saved:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 class ForkedCommand(ForkedProcess):
     """``subprocess.Popen(command, ...)`` of a fairseq console script (``command[0]``: ``fairseq-train``,
     ``fairseq-generate``, ... bare or as a path) or of ``python -m MODULE ...`` (:func:`_command_entry`: the
@@ -314,10 +301,7 @@ class ForkedCommand(ForkedProcess):
         """``at_start``: called in the child before the command (with its ``sys.argv`` and
         environment), as a ``sitecustomize`` on its PYTHONPATH would run in a new process."""
         # imported here, before the fork
-        command = [str(a) for a in args]
-        self._cli_main, self._argv = _command_entry(command)
-        if os.path.basename(command[0]) == "fairseq-train" or command[1:2] == ["-m"]:
-            _import_what_a_training_imports()
+        self._cli_main, self._argv = _command_entry([str(a) for a in args])
         self._at_start = at_start
         super().__init__(args, **popen_options)
 
