@@ -51,13 +51,15 @@ def log_records(proc, tag):
 
 @pytest.fixture(scope="module")
 def trained(tiny_bin, tmp_path_factory):
-    """Each combination trained for 30 updates (with TensorBoard logs), then resumed to 40."""
+    """Each combination trained for 30 updates (with TensorBoard logs), then resumed to 40, on
+    batches of 600 tokens (half TRAIN_COMMON's: what the tests read is the run's course and its
+    checkpoints, not how well it translates)."""
     runs = {}
     for name, flags in COMBINATIONS.items():
         save_dir = tmp_path_factory.mktemp(name)
         first = train(tiny_bin, save_dir, flags, 30,
-                      extra=["--tensorboard-logdir", str(save_dir / "tensorboard")])
-        resumed = train(tiny_bin, save_dir, flags, 40)
+                      extra=["--max-tokens", "600", "--tensorboard-logdir", str(save_dir / "tensorboard")])
+        resumed = train(tiny_bin, save_dir, flags, 40, extra=["--max-tokens", "600"])
         runs[name] = (save_dir, first, resumed)
     return runs
 
