@@ -230,3 +230,17 @@ def tiny_prepared(tiny_raw, tmp_path_factory):
     run_cli([os.path.join(REPO, "scripts", "prepare_corpus.sh"), tiny_raw, "--src", "src", "--tgt", "tgt",
              "--tokenized", "--bpe-merges", "30", "--dest", dest, "--workers", "1"])
     return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tiny_raw, tiny_bin, tmp_path_factory):
+    """``tiny_bin`` laid out as a prepared data folder (bin/, ref/test.tok.tgt, a manifest.json
+    naming subword_nmt), without ``tiny_prepared``'s real prepare_corpus.sh run (a Python start-up,
+    BPE learning, fairseq-preprocess): for tests that need a data folder's layout and dictionaries,
+    not its subword segmentation (refusals before training, the commands a recipe gives)."""
+    data = tmp_path_factory.mktemp("data") / "src-tgt"
+    shutil.copytree(tiny_bin, data / "bin")
+    os.makedirs(data / "ref")
+    shutil.copyfile(os.path.join(tiny_raw, "test.tgt"), data / "ref" / "test.tok.tgt")
+    (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
+    return str(data)

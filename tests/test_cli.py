@@ -51,13 +51,15 @@ def log_records(proc, tag):
 
 @pytest.fixture(scope="module")
 def trained(tiny_bin, tmp_path_factory):
-    """Each combination trained for 30 updates (with TensorBoard logs), then resumed to 40."""
+    """Each combination trained for 30 updates (with TensorBoard logs), then resumed to 40, on
+    batches of 600 tokens (half TRAIN_COMMON's: what the tests read is the run's course and its
+    checkpoints, not how well it translates)."""
     runs = {}
     for name, flags in COMBINATIONS.items():
         save_dir = tmp_path_factory.mktemp(name)
         first = train(tiny_bin, save_dir, flags, 30,
-                      extra=["--tensorboard-logdir", str(save_dir / "tensorboard")])
-        resumed = train(tiny_bin, save_dir, flags, 40)
+                      extra=["--max-tokens", "600", "--tensorboard-logdir", str(save_dir / "tensorboard")])
+        resumed = train(tiny_bin, save_dir, flags, 40, extra=["--max-tokens", "600"])
         runs[name] = (save_dir, first, resumed)
     return runs
 
@@ -246,7 +248,7 @@ def test_a_longer_run_learns(tiny_bin, tmp_path):
 
 def test_norm_stats_are_logged(tiny_bin, tmp_path):
     proc = train(tiny_bin, tmp_path, ["--prenorm", "--dyt", "--norm-stats-interval", "10"], 20,
-                 extra=["--no-save"])
+                 extra=["--no-save", "--max-tokens", "600"])  # half TRAIN_COMMON's batches
     record = log_records(proc, "train_inner")[-1]
     assert float(record["alpha:enc0.attn"]) == pytest.approx(0.5, abs=0.05)
     assert float(record["in_std:dec.final"]) > 0 and "gain:dec1.ffn" in record

@@ -5,7 +5,6 @@ reproduce.sh's own main finds that finished run (through --data or configs/data.
 import csv
 import json
 import os
-import shutil
 
 import pytest
 
@@ -101,27 +100,13 @@ def test_a_second_run_reads_the_results_back(row_run, tiny_prepared, capsys):
     assert status == 0 and printed_json(out) == printed_json(evaluated.stdout)
 
 
-@pytest.fixture(scope="module")
-def binarized_data_dir(tiny_raw, tiny_bin, tmp_path_factory):
-    """A data folder as single_run reads it (bin/, ref/test.tok.tgt, manifest.json) from the
-    shared tiny corpus binarized in this process: what a refusal needs, without the real
-    prepare_corpus.sh run (a Python start-up, BPE learning and a fairseq-preprocess) of
-    ``tiny_prepared``, which the tests of a refusal before training never train on."""
-    data = tmp_path_factory.mktemp("binarized") / "src-tgt"
-    shutil.copytree(tiny_bin, data / "bin")
-    os.makedirs(data / "ref")
-    shutil.copyfile(os.path.join(tiny_raw, "test.tgt"), data / "ref" / "test.tok.tgt")
-    (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
-    return str(data)
-
-
 @pytest.mark.parametrize("main,argv,message", [
     ("train_main", ["demo", "No such row"], "train.sh: error: demo: no row named 'No such row'; rows: " + ROW),
     ("evaluate_main", ["demo", ROW], f"evaluate.sh: error: demo src-tgt | {ROW} is not trained"),
 ])
-def test_single_run_bad_input_is_one_line(main, argv, message, binarized_data_dir, tmp_path, capsys):
+def test_single_run_bad_input_is_one_line(main, argv, message, tiny_data_dir, tmp_path, capsys):
     run_dir = str(tmp_path / "run")
-    status, _, _ = run_in_process(getattr(single_run, main), [*argv, binarized_data_dir, "--run-dir", run_dir],
+    status, _, _ = run_in_process(getattr(single_run, main), [*argv, tiny_data_dir, "--run-dir", run_dir],
                                   capsys)
     assert str(status).startswith(message) and "\n" not in str(status), status
     assert not os.path.exists(os.path.join(run_dir, "checkpoints"))

@@ -67,13 +67,14 @@ def test_the_config_dataclass_is_generated_from_the_flags():
     assert "my_norm_scale" in normplug_config_class(extended).__dataclass_fields__
 
 
-def test_the_yaml_recipe_is_the_scripts_command(tiny_prepared, tmp_path):
+def test_the_yaml_recipe_is_the_scripts_command(tiny_data_dir, tmp_path):
     """Same configuration in every group (but the device and --user-dir), same model: class
-    tree, parameter names and initial values at the recipe's full size."""
-    command = recipe_run(tiny_prepared, tmp_path).train_command()
+    tree, parameter names and initial values at the recipe's full size (on a data folder's
+    dictionaries: nothing is trained)."""
+    command = recipe_run(tiny_data_dir, tmp_path).train_command()
     args = options.parse_args_and_arch(options.get_training_parser(), command[1:])
     flags_cfg = convert_namespace_to_omegaconf(args)
-    yaml_cfg = compose("ted_gl_en_full", yaml_overrides(tiny_prepared, flags_cfg.checkpoint.save_dir), HYDRA_DIR)
+    yaml_cfg = compose("ted_gl_en_full", yaml_overrides(tiny_data_dir, flags_cfg.checkpoint.save_dir), HYDRA_DIR)
     for group in yaml_cfg:
         if group == "model" or not OmegaConf.is_config(yaml_cfg[group]):
             continue

@@ -120,7 +120,7 @@ def test_fairseq_train_20_updates_and_generate(tiny_bin, tmp_path):
     """Both DyT ablations at once through fairseq-train (20 updates) and fairseq-generate."""
     save_dir = tmp_path / "dyt"
     proc = train(tiny_bin, save_dir, ["--prenorm", "--dyt", "--dyt-alpha-per-channel", "--dyt-no-affine"], 20,
-                 extra=["--log-interval", "1"])
+                 extra=["--log-interval", "1", "--max-tokens", "600"])  # half TRAIN_COMMON's batches
     records = log_records(proc, "train_inner")
     assert len(records) == 20 and all(math.isfinite(float(r["loss"])) for r in records)
     checkpoint = str(save_dir / "checkpoint_last.pt")

@@ -22,7 +22,8 @@ from fairseq_normplug.experiments import launchers, portable_paths, preflight, r
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.portable_paths import from_portable, recorded_form, to_portable
 
-MACHINE_PATH = re.compile(r"(?<![\w.$-])(/work/|/root/|/home/|/tmp/|/Users/)")
+#: (the leading "/" first, the look-behind only there: see portable_paths.ABSOLUTE_PATH)
+MACHINE_PATH = re.compile(r"/(?<![\w.$-]/)(?:work|root|home|tmp|Users)/")
 #: fairseq's own default of --plasma-path, in the config dump of every train.log: not a machine's
 LIBRARY_DEFAULTS = ("/tmp/plasma",)
 

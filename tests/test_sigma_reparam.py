@@ -23,14 +23,17 @@ TINY = "transformer_normplug_tiny"
 
 
 def train_and_generate(data_bin, save_dir, flags, updates=10):
-    """fairseq-train (in this process) for ``updates`` updates with ``flags`` and the norm
-    statistics every 5, then fairseq-generate (in this process) on the valid set from its last
-    checkpoint: (the train_inner log records, the hypotheses, the checkpoint's model state)."""
+    """fairseq-train (in this process) for ``updates`` updates of 600 tokens (half TRAIN_COMMON's
+    batches: the callers check that it trains, logs, saves and decodes, not how well) with
+    ``flags`` and the norm statistics every 5, then fairseq-generate (in this process) on the
+    valid set from its last checkpoint: (the train_inner log records, the hypotheses, the
+    checkpoint's model state)."""
     from inprocess import run_fairseq
     from test_cli import NO_LOADER_WORKERS, TRAIN_COMMON, USER_DIR, log_records
 
     train = run_fairseq(["fairseq-train", data_bin, "--arch", TINY, *TRAIN_COMMON, "--save-dir", save_dir,
-                         "--max-update", updates, "--log-interval", "5", "--norm-stats-interval", "5", *flags])
+                         "--max-update", updates, "--max-tokens", "600", "--log-interval", "5",
+                         "--norm-stats-interval", "5", *flags])
     checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
     generate = run_fairseq(["fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
                             "--beam", "2", "--cpu", "--max-tokens", "4000", "--gen-subset", "valid",

@@ -146,7 +146,10 @@ def shown_path(path: str) -> str:
     return portable_text(os.path.abspath(path), roots)
 
 
-ABSOLUTE_PATH = re.compile(r"(?<![\w.$-])(/work/|/root/|/home/|/tmp/|/Users/|/private/var/)")
+#: a machine folder's start (``/work/``, ``/tmp/``...) not inside a longer name (``a/tmp/``, ``$/tmp/``):
+#: matched from its leading ``/``, which the regex engine finds by a fast scan, and the look-behind
+#: only tried there (a look-behind first is tried at every character: 65 times slower on docs/)
+ABSOLUTE_PATH = re.compile(r"/(?<![\w.$-]/)(?:work|root|home|tmp|Users|private/var)/")
 
 
 def absolute_paths(text: str, extra: Sequence[str] = ()) -> List[str]:
