@@ -210,19 +210,6 @@ def tiny_bin(tiny_raw, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_data_folder(tiny_raw, tiny_bin, tmp_path_factory):
-    """``tiny_bin`` as a data folder the experiment runner takes (bin/ linked to it, the raw test
-    targets as ref/test.tok.tgt, manifest.json), without running scripts/prepare_corpus.sh
-    (``tiny_prepared``): for tests whose subject is the runner's tables, not the preparation."""
-    data = tmp_path_factory.mktemp("runner-data") / "src-tgt"
-    (data / "ref").mkdir(parents=True)
-    os.symlink(tiny_bin, data / "bin")
-    shutil.copy(os.path.join(tiny_raw, "test.tgt"), data / "ref" / "test.tok.tgt")
-    (data / "manifest.json").write_text(json.dumps({"subword_method": "subword_nmt"}))
-    return str(data)
-
-
-@pytest.fixture(scope="session")
 def tiny_prepared(tiny_raw, tmp_path_factory):
     """``tiny_raw`` prepared by scripts/prepare_corpus.sh (30 BPE merges): a data folder
     with bin/, ref/ and manifest.json, as the experiment scripts take it."""
@@ -237,7 +224,8 @@ def tiny_data_dir(tiny_raw, tiny_bin, tmp_path_factory):
     """``tiny_bin`` laid out as a prepared data folder (bin/, ref/test.tok.tgt, a manifest.json
     naming subword_nmt), without ``tiny_prepared``'s real prepare_corpus.sh run (a Python start-up,
     BPE learning, fairseq-preprocess): for tests that need a data folder's layout and dictionaries,
-    not its subword segmentation (refusals before training, the commands a recipe gives)."""
+    not its subword segmentation (refusals before training, the commands a recipe gives, the
+    experiment runner's tiny tables)."""
     data = tmp_path_factory.mktemp("data") / "src-tgt"
     shutil.copytree(tiny_bin, data / "bin")
     os.makedirs(data / "ref")

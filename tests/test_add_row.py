@@ -80,8 +80,8 @@ def test_the_command_line_refuses_before_any_work(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_data_folder, tmp_path):
-    runs, data = str(tmp_path / "runs"), {"src-tgt": tiny_data_folder}
+def test_only_the_new_row_trains_and_one_table_holds_all(table, tiny_data_dir, tmp_path):
+    runs, data = str(tmp_path / "runs"), {"src-tgt": tiny_data_dir}
     with forked_commands():
         run_table(table, ["src-tgt"], data, runs, str(tmp_path / "before"), echo=lambda message: None)
     kept = {name: os.path.getmtime(os.path.join(runs, "small", "src-tgt", name, "train.log"))

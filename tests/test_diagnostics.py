@@ -16,6 +16,7 @@ from fairseq.modules import MultiheadAttention
 
 from conftest import REPO, cli, run_cli
 from inprocess import forked_commands, run_fairseq
+from test_cli import NO_LOADER_WORKERS
 from fairseq_normplug.diagnostics import convert, fitting, plot_norms
 from fairseq_normplug.diagnostics.attention import attention_logits, query_statistics
 from fairseq_normplug.diagnostics.loading import batches, collect_norm_activations, dev_loss, load_checkpoint
@@ -87,7 +88,7 @@ def test_conversion_gives_a_loadable_dyt_checkpoint(converted, tiny_bin):
 
     proc = run_fairseq([cli("fairseq-generate"), tiny_bin, "--path", out, "--user-dir",
                         os.path.join(REPO, "fairseq_normplug"), "--beam", "1", "--cpu", "--gen-subset", "valid",
-                        "--max-tokens", "4000", "--required-batch-size-multiple", "1"])
+                        "--max-tokens", "4000", "--required-batch-size-multiple", "1", *NO_LOADER_WORKERS])
     assert sum(line.startswith("H-") for line in proc.stdout.splitlines()) == 100
 
 

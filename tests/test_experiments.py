@@ -11,6 +11,7 @@ import pytest
 
 from conftest import write_configs
 from inprocess import forked_commands, run_fairseq
+from test_cli import NO_LOADER_WORKERS
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.reproduce import run_table
 
@@ -165,7 +166,8 @@ def test_best_checkpoint_is_the_best_dev_bleu_and_dev_decodes_like_test(tiny_tab
     checkpoints = sorted(name for name in os.listdir(run.path("checkpoints")) if name.endswith(".pt"))
     assert checkpoints == ["checkpoint_best.pt", "checkpoint_last.pt"]  # beside the hub's files
     dev_out = tmp_path / "generate-valid.txt"
-    dev_decoding = run_fairseq(generate_command(run, run.path("checkpoints", "checkpoint_best.pt"), "valid"))
+    dev_decoding = run_fairseq([*generate_command(run, run.path("checkpoints", "checkpoint_best.pt"), "valid"),
+                                *NO_LOADER_WORKERS])
     dev_out.write_text(dev_decoding.stdout)
     refs = bleu.read_lines(os.path.join(prepared, "ref", "valid.tok.tgt"))
     dev_again = bleu.tokenized_bleu(bleu.read_fairseq_generate(str(dev_out), len(refs)).hypotheses, refs)

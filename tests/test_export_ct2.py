@@ -20,6 +20,7 @@ ctranslate2 = pytest.importorskip("ctranslate2")
 from conftest import REPO  # noqa: E402
 from inprocess import run_fairseq  # noqa: E402
 from model_helpers import build, save_checkpoint, train_briefly  # noqa: E402
+from test_cli import NO_LOADER_WORKERS  # noqa: E402
 
 from fairseq_normplug.export import ct2, ct2_spec  # noqa: E402
 from fairseq_normplug.export.ct2_convert import MAX_LEN_B  # noqa: E402
@@ -89,7 +90,8 @@ def fairseq_generate_greedy(checkpoint, data):
     """{sentence id: (source, hypothesis)} of fairseq-generate --beam 1 on the test split of ``data``."""
     proc = run_fairseq(["fairseq-generate", data, "--user-dir", USER_DIR, "--path", checkpoint, "--cpu",
                         "--gen-subset", "test", "--beam", "1", "--batch-size", str(SENTENCES),
-                        "--required-batch-size-multiple", "1", "--source-lang", "src", "--target-lang", "tgt"])
+                        "--required-batch-size-multiple", "1", "--source-lang", "src", "--target-lang", "tgt",
+                        *NO_LOADER_WORKERS])
     sources = dict(re.findall(r"^S-(\d+)\t(.*)$", proc.stdout, flags=re.M))
     hypotheses = dict(re.findall(r"^H-(\d+)\t\S+\t(.*)$", proc.stdout, flags=re.M))
     return {int(i): (sources[i], hypotheses[i]) for i in hypotheses}

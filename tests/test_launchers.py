@@ -164,7 +164,7 @@ FAILING = {"title": "A diverging and a failing row", "recipe": "test_orch", "pai
 
 
 @pytest.fixture(scope="module")
-def orch(tiny_data_folder, tmp_path_factory):
+def orch(tiny_data_dir, tmp_path_factory):
     """Config folder with the two-row tiny table, and a data folder on the tiny corpus (conftest)."""
     root = tmp_path_factory.mktemp("orch")
     config_dir = root / "configs"
@@ -173,7 +173,7 @@ def orch(tiny_data_folder, tmp_path_factory):
     recipes["test_orch"] = RECIPE
     (config_dir / "recipes.json").write_text(json.dumps(recipes))
     (config_dir / "experiments" / "orch.json").write_text(json.dumps(TWO_ROWS))
-    return root, str(config_dir), tiny_data_folder
+    return root, str(config_dir), tiny_data_dir
 
 
 def table_run(orch, name, launcher, out_name):
