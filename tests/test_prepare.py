@@ -471,19 +471,16 @@ def test_foreign_destination_is_never_replaced(ted_archive, tmp_path, capsys):
     assert (dest / "notes.txt").read_text() == "keep me"
 
 
-@pytest.mark.slow
-def test_missing_tool_is_reported(tmp_path):
-    stub = tmp_path / "stub" / "subword_nmt"
-    stub.mkdir(parents=True)
-    (stub / "__init__.py").write_text("raise ImportError('No module named subword_nmt')\n")
+def test_missing_tool_is_reported(tmp_path, capsys, monkeypatch):
+    """subword-nmt made unimportable in this process (None in sys.modules: ``import subword_nmt``
+    raises ImportError, as it does where the package is not installed)."""
+    monkeypatch.setitem(sys.modules, "subword_nmt", None)
     raw = str(tmp_path / "raw")
     make_raw_corpus(raw)
     dest = str(tmp_path / "out")
-    proc = run_cli([sys.executable, "-m", "fairseq_normplug.prepare.corpus", raw, "--src", "en",
-                    "--tgt", "de", "--dest", dest], check=False,
-                   env={"PYTHONPATH": str(tmp_path / "stub")})
-    assert proc.returncode == 2
-    assert "prepare_corpus.sh: error: missing tool: subword-nmt cannot be imported" in proc.stderr
+    status, err = run_in_process(corpus_cli, [raw, "--src", "en", "--tgt", "de", "--dest", dest], capsys)
+    assert status == 2
+    assert "prepare_corpus.sh: error: missing tool: subword-nmt cannot be imported" in err
     assert_nothing_published(dest)
 
 
