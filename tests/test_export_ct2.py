@@ -41,7 +41,7 @@ SENTENCES = 20
 @pytest.fixture(scope="session")
 def checkpoints(tiny_bin, tmp_path_factory):
     """``get(flags, trained=True)``: the path of a tiny checkpoint with ``flags`` (built once a
-    session), trained for 100 updates of 500 tokens (about 50k tokens, 1.5 epochs; no dropout)
+    session), trained for 80 updates of 500 tokens (about 40k tokens, 1.2 epochs; no dropout)
     unless ``trained`` is False: enough for translations of varied lengths, most of which end."""
     folder = tmp_path_factory.mktemp("ct2-checkpoints")
     made = {}
@@ -51,7 +51,7 @@ def checkpoints(tiny_bin, tmp_path_factory):
         if key not in made:
             model, task, args = build(tiny_bin, TINY, "--dropout", "0", *flags, seed=0)
             if trained:
-                first, last = train_briefly(model, task, updates=100, lr=3e-3, epochs=10, max_tokens=500)
+                first, last = train_briefly(model, task, updates=80, lr=3e-3, epochs=10, max_tokens=500)
                 assert last < 0.6 * first, (flags, first, last)
             made[key] = save_checkpoint(model, args, folder / f"model{len(made)}.pt")
         return made[key]
