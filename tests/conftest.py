@@ -40,23 +40,6 @@ def pytest_configure(config):
             r"error:fairseq-normplug. (native CPU norm kernels unavailable|torch\.compile of):RuntimeWarning")
 
 
-#: the files that take longest (measured on 2 cores, longest first): collected first, so that the
-#: parallel workers of scripts/test.sh (pytest-xdist, one file per worker at a time) start them
-#: first and finish together instead of one worker ending the run alone
-SLOW_FILES = ("test_trust.py", "test_launchers.py", "test_prepare.py", "test_cli.py", "test_one_owner.py",
-              "test_fast_norms.py", "test_wheel.py", "test_experiments.py", "test_export_ct2.py",
-              "test_diagnostics.py", "test_normplug_extension_example.py", "test_gpu_check.py", "test_add_row.py",
-              "test_entry_points.py", "test_hub.py", "test_placements.py", "test_beyond.py", "test_kill_rerun.py",
-              "test_demo.py", "test_figures.py", "test_hydra.py", "test_admin.py", "test_precision.py",
-              "test_ngpt.py", "test_denseformer.py", "test_sigma_reparam.py", "test_siamese_output_norm.py",
-              "test_cpu_converge.py", "test_decoding.py", "test_doors.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept
-
-
 @pytest.fixture(scope="session", autouse=True)
 def scripts_use_this_environment():
     """The scripts a test runs (scripts/*.sh call scripts/setup_env.sh first) use the
