@@ -12,7 +12,7 @@ import torch
 from fairseq_normplug.bench import gpu_check
 from fairseq_normplug.bench.gpu_check import Deadline, Report
 from fairseq_normplug.command_start import commands_started_by
-from inprocess import ForkedCommand
+from inprocess import ForkedCommand, forked_commands
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refuses only without a CUDA device")
@@ -33,7 +33,7 @@ CHILD_STATE = []
 def its_commands_forked_too() -> None:
     """In a forked child, before its command: the commands it starts (bench_train's trainings) are
     forks of it in turn (it runs no other thread)."""
-    forked = commands_started_by(ForkedCommand)
+    forked = forked_commands()
     forked.__enter__()
     CHILD_STATE.append(forked)  # a collected context manager would restore the real processes
 

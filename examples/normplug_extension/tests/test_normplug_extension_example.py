@@ -70,7 +70,9 @@ def run_here(tool, *args, input_text=None, cwd=None):
     """fairseq's command-line tool ``tool`` (``generate``, ``interactive``, ``validate``) run in this
     process, as fairseq's own tests run theirs (``generate.main``), after the extension is taken
     out of it (:func:`unload_extension`): the checkpoint alone must bring it back. Returns what the
-    command prints and logs (fairseq's log format) and reads ``input_text`` as its standard input."""
+    command prints and logs (fairseq's log format) and reads ``input_text`` as its standard input.
+    (The project's tests/inprocess.py has a fuller ``run_fairseq``; this example's tests stand alone, as a
+    researcher's own package's would.)"""
     from fairseq.logging import metrics
 
     unload_extension()
