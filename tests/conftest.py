@@ -7,6 +7,7 @@ test says it expects one: the plugin's "falls back" warnings (``FALLBACK_WARNING
 this process (``pytest_configure``). On a machine without a C++ compiler the fallback is the
 documented behaviour, and neither check applies.
 """
+import functools
 import json
 import os
 import re
@@ -105,24 +106,31 @@ def run_cli(args, cwd=REPO, check=True, timeout=COMMAND_TIMEOUT, env=None, input
 
 
 def _kill(proc) -> None:
-    """Kill ``proc`` and whatever it started (it leads its own process group)."""
+    """Kill ``proc`` and whatever it started (when it leads its own process group; else, as a
+    forked command of this process's group, ``proc`` alone)."""
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
         except ProcessLookupError:
             pass
     proc.wait()
 
 
 def run_parallel(commands, cwd=REPO, timeout=COMMAND_TIMEOUT, env=None, fallback_ok=False,
-                 peers=True):
+                 peers=True, start=None):
     """Run ``commands`` at the same time and return their CompletedProcess objects, in order.
     ``peers`` (the processes of one job): when one fails the others are killed at once (e.g.
     the surviving data-parallel rank, which would wait for its peer forever). All are killed
-    when ``timeout`` seconds have passed (an AssertionError with their output)."""
+    when ``timeout`` seconds have passed (an AssertionError with their output). ``start``:
+    what starts each command (``start(command, cwd=, env=, stdout=, stderr=, text=True)``, a
+    ``subprocess.Popen``; tests/inprocess.py's ``run_forked`` gives its forks); by default a
+    real process leading a process group of its own (killed with what it started)."""
+    start = start or functools.partial(subprocess.Popen, start_new_session=True)
     outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
-    procs = [subprocess.Popen(command, cwd=cwd, env=command_env(env), stdout=out, stderr=err,
-                              text=True, start_new_session=True)
+    procs = [start([str(a) for a in command], cwd=cwd, env=command_env(env), stdout=out, stderr=err, text=True)
              for command, (out, err) in zip(commands, outputs)]
     deadline = time.monotonic() + timeout
     timed_out = False
@@ -194,19 +202,27 @@ def tiny_bin(tiny_raw, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_prepared(tiny_raw, tmp_path_factory):
-    """``tiny_raw`` prepared by scripts/prepare_corpus.sh (30 BPE merges): a data folder
-    with bin/, ref/ and manifest.json, as the experiment scripts take it."""
+    """``tiny_raw`` prepared as scripts/prepare_corpus.sh prepares it (30 BPE merges): a data
+    folder with bin/, ref/ and manifest.json, as the experiment scripts take it. The script's
+    Python entry point runs in this process, its fairseq-preprocess in a fork of it
+    (tests/inprocess.py); test_prepare runs the script itself."""
+    from inprocess import forked_commands
+
+    from fairseq_normplug.prepare import corpus
+    from fairseq_normplug.prepare.cli import run_main
+
     dest = str(tmp_path_factory.mktemp("prepared") / "src-tgt")
-    run_cli([os.path.join(REPO, "scripts", "prepare_corpus.sh"), tiny_raw, "--src", "src", "--tgt", "tgt",
-             "--tokenized", "--bpe-merges", "30", "--dest", dest, "--workers", "1"])
+    with forked_commands():
+        run_main(corpus.PROG, corpus.main, [tiny_raw, "--src", "src", "--tgt", "tgt", "--tokenized",
+                                            "--bpe-merges", "30", "--dest", dest, "--workers", "1"])
     return dest
 
 
 @pytest.fixture(scope="session")
 def tiny_data_dir(tiny_raw, tiny_bin, tmp_path_factory):
     """``tiny_bin`` laid out as a prepared data folder (bin/, ref/test.tok.tgt, a manifest.json
-    naming subword_nmt), without ``tiny_prepared``'s real prepare_corpus.sh run (a Python start-up,
-    BPE learning, fairseq-preprocess): for tests that need a data folder's layout and dictionaries,
+    naming subword_nmt), without ``tiny_prepared``'s preparation (BPE learning, a fairseq-preprocess
+    process): for tests that need a data folder's layout and dictionaries,
     not its subword segmentation (refusals before training, the commands a recipe gives, the
     experiment runner's tiny tables)."""
     data = tmp_path_factory.mktemp("data") / "src-tgt"

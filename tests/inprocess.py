@@ -49,6 +49,9 @@ by ``at_start``. The fault tests of one launcher (an owner SIGKILLed and taken o
 launcher started while the first trains, a launcher stopped by SIGTERM, SIGINT or SIGHUP while
 its trainer or decoder is held, test_kill_rerun's jobs killed at four points) use it: their
 subject is the launcher's logic under kills, signals and concurrency, not the start of a Python.
+:func:`run_forked` starts commands side by side as such forks, ``conftest.run_parallel``'s way: the
+hydra entry point beside fairseq-train, and the ranks of a data-parallel training (each fork its
+own process and gloo rank; ``peers=True`` kills the other rank when one fails).
 Real processes stay where the process itself is the subject: the shell scripts (train.sh
 stopped by SIGTERM), submitit, ``--jobs 2`` (trainings started from several threads),
 preflight's memory, and one test with two real launcher processes on one folder
@@ -62,12 +65,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
-from conftest import COMMAND_TIMEOUT, FALLBACK_EXPECTED, assert_no_fallback, command_env, failure_report
+from conftest import COMMAND_TIMEOUT, FALLBACK_EXPECTED, assert_no_fallback, failure_report, run_parallel
 
 #: fairseq_cli's log record format (fairseq_cli/train.py's ``logging.basicConfig``)
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
@@ -482,35 +483,15 @@ def forked_commands(at_start: Optional[Callable[[], None]] = None):
 
 
 def run_forked(commands: Sequence[Sequence], cwd: Optional[str] = None, env: Optional[Dict[str, Optional[str]]] = None,
-               timeout: float = COMMAND_TIMEOUT, fallback_ok: bool = False) -> List[subprocess.CompletedProcess]:
+               timeout: float = COMMAND_TIMEOUT, fallback_ok: bool = False, peers: bool = False,
+               at_start: Optional[Callable[[], None]] = None) -> List[subprocess.CompletedProcess]:
     """``conftest.run_parallel`` for commands a :class:`ForkedCommand` runs (fairseq's console
-    scripts, ``python -m MODULE``): started together as forks of this process, in ``cwd``, with
-    the environment ``conftest.command_env(env)``; returns their CompletedProcess objects, in
-    order. All are killed when ``timeout`` seconds have passed (an AssertionError with their output)."""
-    outputs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
-    procs = [ForkedCommand([str(a) for a in command], cwd=cwd, env=command_env(env), stdout=out, stderr=err,
-                           text=True)
-             for command, (out, err) in zip(commands, outputs)]
-    deadline = time.monotonic() + timeout
-    timed_out = False
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-    done = []
-    for command, proc, (out, err) in zip(commands, procs, outputs):
-        out.seek(0), err.seek(0)
-        done.append(subprocess.CompletedProcess([str(a) for a in command], proc.returncode, out.read(), err.read()))
-        out.close(), err.close()
-    if timed_out:
-        raise AssertionError(f"still running after {timeout} s, killed:\n" + "\n".join(failure_report(p) for p in done))
-    if not fallback_ok:
-        for proc in done:
-            assert_no_fallback(proc.stdout + proc.stderr, proc.args[0])
-    return done
+    scripts, ``python -m MODULE``): started together as forks of this process, each calling
+    ``at_start`` (if given) first, in ``cwd``, with the environment ``conftest.command_env(env)``;
+    returns their CompletedProcess objects, in order. All are killed when ``timeout`` seconds
+    have passed (an AssertionError with their output); with ``peers`` (the ranks of one
+    data-parallel job), the others as soon as one fails."""
+    import functools
+
+    return run_parallel(commands, cwd=cwd, timeout=timeout, env=env, fallback_ok=fallback_ok, peers=peers,
+                        start=functools.partial(ForkedCommand, at_start=at_start))

@@ -8,8 +8,9 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, cli, run_cli, run_parallel
-from inprocess import run_fairseq
+from conftest import REPO, cli, run_cli
+import train_dump_params
+from inprocess import run_fairseq, run_forked
 
 USER_DIR = os.path.join(REPO, "fairseq_normplug")
 TRAIN_COMMON = [
@@ -275,25 +276,27 @@ def test_bad_input_on_the_command_line(tmp_path, flags, message):
 
 
 def train_data_parallel(data_bin, save_dir, flags, max_update, dump_dir=None, dump_at_update=None):
-    """Two CPU processes (gloo) train one model data-parallel (tests/train_dump_params.py: each
-    rank's parameters saved to ``dump_dir`` after every update, and kept for ``dump_at_update``);
-    returns their outputs. When one rank fails, the other (waiting for its peer) is killed at once."""
+    """Two CPU processes (gloo) train one model data-parallel: fairseq-train's ranks, each a fork
+    of this process (tests/inprocess.py's ``run_forked``: their own pids and gloo connections,
+    without starting Python, torch and fairseq again) that saves its parameters to ``dump_dir``
+    after every update (tests/train_dump_params.py; kept for ``dump_at_update``); returns their
+    outputs. When one rank fails, the other (waiting for its peer) is killed at once."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    program = [sys.executable, os.path.join(REPO, "tests", "train_dump_params.py")]
-    common = [*program, data_bin, "--arch", "transformer_normplug_tiny", *TRAIN_COMMON, *flags,
+    common = [cli("fairseq-train"), data_bin, "--arch", "transformer_normplug_tiny", *TRAIN_COMMON, *flags,
               "--max-update", str(max_update), "--log-interval", "3",
               "--save-dir", str(save_dir), "--distributed-world-size", "2", "--distributed-backend", "gloo",
               "--ddp-backend", "legacy_ddp", "--distributed-no-spawn", "--device-id", "0",
               "--distributed-init-method", f"tcp://127.0.0.1:{port}"]
     dump_dir = dump_dir or os.path.join(str(save_dir), "params")
     os.makedirs(dump_dir, exist_ok=True)
-    procs = run_parallel([common + ["--distributed-rank", str(rank)] for rank in (0, 1)],
-                         env={"DUMP_PARAMS_DIR": str(dump_dir),
-                              "DUMP_PARAMS_AT_UPDATE": None if dump_at_update is None else str(dump_at_update)})
+    procs = run_forked([common + ["--distributed-rank", str(rank)] for rank in (0, 1)], cwd=REPO, peers=True,
+                       at_start=train_dump_params.install,
+                       env={"DUMP_PARAMS_DIR": str(dump_dir),
+                            "DUMP_PARAMS_AT_UPDATE": None if dump_at_update is None else str(dump_at_update)})
     outputs = [p.stdout + p.stderr for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "training on 2 devices" in outputs[0]
@@ -325,7 +328,7 @@ def test_data_parallel_on_cpu_with_gloo_agrees_and_resumes_exactly(tiny_bin, tmp
     after every update their parameters are identical. A run resumed at update 3 (from the
     checkpoint the uninterrupted run saved there, --save-interval-updates 3) and trained to 6
     (no second auto init) ends with exactly the parameters of the uninterrupted run. Two pairs
-    of real rank processes: the uninterrupted run and the resumed one."""
+    of rank processes: the uninterrupted run and the resumed one."""
     import glob
     import shutil
 

@@ -277,11 +277,13 @@ def test_native_build_failure_falls_back(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_bench_norms_smoke(tmp_path):
+    """Two rounds, each a process of its own (forks of this one: tests/inprocess.py)."""
     from fairseq_normplug.bench import bench_norms
 
     out = tmp_path / "bench_norms.md"
-    text = bench_norms.main(["--shapes", "2x3x16,1x2x16", "--reps", "2", "--reference",
-                             "--eager", "--rounds", "2", "--out", str(out)])
+    with forked_commands():
+        text = bench_norms.main(["--shapes", "2x3x16,1x2x16", "--reps", "2", "--reference",
+                                 "--eager", "--rounds", "2", "--out", str(out)])
     assert out.read_text() == text
     for name in ["layernorm", "scalenorm", "rmsnorm", "dyt", "dyt-hardtanh", "dyt-sigmoid", "derf", "dyisru",
                  "scalenorm-ref", "dyt-eager", "(copy floor)"]:

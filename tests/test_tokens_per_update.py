@@ -5,12 +5,11 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 
 import pytest
 
 from conftest import REPO
-from inprocess import ForkedCommand
+from inprocess import run_forked
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.experiments import reproduce
 from fairseq_normplug.experiments.configs import CONFIG_DIR, load_recipes, load_table
@@ -146,21 +145,14 @@ def test_one_and_two_gloo_processes_train_with_the_same_tokens_per_update(gloo_r
         "--ddp-backend", "legacy_ddp", "--device-id", "0"]) for rank in (0, 1)]
     for command in ranks:
         assert (last_flag_value(command, "--max-tokens"), last_flag_value(command, "--update-freq")) == ("500", "1")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    # the single process in a fork of this one (tests/inprocess.py's ForkedCommand: a process all the
-    # same, without starting Python, torch and fairseq again); the gloo ranks are real processes
-    procs = [starter(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for starter, command in [(ForkedCommand, alone), (subprocess.Popen, ranks[0]), (subprocess.Popen, ranks[1])]]
-    try:
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-3000:]
-    one = per_update(outputs[0], tmp_path / "one.log")
-    two = per_update(outputs[1], tmp_path / "two.log")
+    # the single process and the two gloo ranks at once, each a fork of this one (tests/inprocess.py's
+    # ForkedCommand: a process all the same, without starting Python, torch and fairseq again)
+    procs = run_forked([alone, *ranks], cwd=REPO, env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+                       timeout=240, peers=True)
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    one = per_update(procs[0].stdout + procs[0].stderr, tmp_path / "one.log")
+    two = per_update(procs[1].stdout + procs[1].stderr, tmp_path / "two.log")
     assert [u for u, _, _ in one] == [1, 2, 3, 4, 5, 6]
     assert two == one
     assert all(wpb > 500 for _, wpb, _ in one)  # two batches' worth of target tokens in every update

@@ -25,6 +25,7 @@ from prepare_fixtures import write_pairs
 import fairseq_normplug
 from conftest import REPO, cli, run_cli
 from fairseq_normplug import install_plan
+from fairseq_normplug.modules import native
 
 #: what setuptools prints when package data is declared badly (the old setup.py's csrc/)
 SETUPTOOLS_WARNINGS = ("Package would be ignored", "BuildBackendWarning", "SetuptoolsDeprecationWarning",
@@ -153,8 +154,12 @@ def test_the_projects_jobs_run_from_the_installed_wheel_outside_the_repository(f
         write_pairs(str(raw), split, [(f"a b {i} .", f"x y {i} .") for i in range(count)], "src", "tgt")
     python = str(venv / "bin" / "python")
 
-    def run(*argv):  # native kernels (if any) built in a cache of its own, not the other test's
-        return run_cli([python, *argv], cwd=str(project), env={**env, "NORMPLUG_CACHE_DIR": str(tmp_path / "cache")},
+    # the native kernels from the cache the rest of the suite uses (built here if no test built them yet): the
+    # wheel's C++ source is the checkout's, so the library is the same one; the build is the other test's subject
+    kernel_cache = native._cache_dir()
+
+    def run(*argv):
+        return run_cli([python, *argv], cwd=str(project), env={**env, "NORMPLUG_CACHE_DIR": kernel_cache},
                        timeout=600)
 
     run("-m", "fairseq_normplug.prepare.corpus", str(raw), "--src", "src", "--tgt", "tgt", "--tokenized",

@@ -11,7 +11,7 @@ import torch
 from fairseq import checkpoint_utils
 from omegaconf import OmegaConf
 
-from conftest import run_parallel
+from inprocess import run_forked
 from fairseq_normplug.diagnostics import fitting
 from fairseq_normplug.diagnostics.convert import converted_state
 from fairseq_normplug.diagnostics.plot_norms import site_statistics
@@ -276,11 +276,11 @@ def test_fairseq_train_and_reload(tiny_bin, tmp_path):
     """10 updates of fairseq-train with --zero-centered-gamma (DyT; PreNorm RMSNorm), both at
     once: finite losses, the logged mean gain is that of 1 + gamma (about 1, not 0), and the
     checkpoint reloads, as fairseq-generate loads it, with zero-centred norms and the trained
-    (now non-zero) gammas."""
+    (now non-zero) gammas. The two trainings are forks of this process (tests/inprocess.py)."""
     commands = [[cli("fairseq-train"), tiny_bin, "--arch", TINY, *TRAIN_COMMON, "--save-dir",
                  str(tmp_path / name), "--max-update", "10", "--zero-centered-gamma", *flags]
                 for name, flags in RUNS.items()]
-    for name, proc in zip(RUNS, run_parallel(commands)):
+    for name, proc in zip(RUNS, run_forked(commands)):
         assert proc.returncode == 0, proc.stderr[-3000:]
         record = log_records(proc, "train")[-1]
         assert record["train_num_updates"] == "10" and math.isfinite(float(record["train_loss"]))

@@ -1,6 +1,7 @@
 """fairseq-train that also saves each data-parallel rank's model state (``rank<N>.pt`` in
 the directory ``$DUMP_PARAMS_DIR``) after every update, so a test can compare the ranks; with
-``$DUMP_PARAMS_AT_UPDATE`` = U, also the state after update U (``rank<N>-update<U>.pt``)."""
+``$DUMP_PARAMS_AT_UPDATE`` = U, also the state after update U (``rank<N>-update<U>.pt``).
+Run as a program, or :func:`install` in a forked fairseq-train (tests/inprocess.py's ``at_start``)."""
 import os
 
 import torch
@@ -21,7 +22,11 @@ def train_step(self, *args, **kwargs):
     return out
 
 
-trainer.Trainer.train_step = train_step
+def install() -> None:
+    """fairseq's ``Trainer.train_step`` replaced, in this process, by :func:`train_step`."""
+    trainer.Trainer.train_step = train_step
+
 
 if __name__ == "__main__":
+    install()
     cli_main()

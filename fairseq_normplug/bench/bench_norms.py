@@ -45,6 +45,7 @@ from fairseq_normplug.bench.common import (
     DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
     median, publish, steady_allocator_env,
 )
+from fairseq_normplug.command_start import run_command
 from fairseq_normplug.modules import fused, native
 from fairseq_normplug.modules.derf import Derf
 from fairseq_normplug.modules.dyisru import DyISRU
@@ -206,9 +207,9 @@ def run_rounds(argv: List[str], rounds: int) -> List[List[Dict]]:
         for i in range(rounds):
             out = os.path.join(tmp, f"round{i}.md")
             start = time.time()
-            proc = subprocess.run(
+            proc = run_command(
                 [sys.executable, "-m", "fairseq_normplug.bench.bench_norms", *argv,
-                 "--rounds", "1", "--out", out], capture_output=True, text=True)
+                 "--rounds", "1", "--out", out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"bench_norms: round {i + 1} failed:\n{proc.stderr[-2000:]}")
             with open(os.path.splitext(out)[0] + ".json") as f:
