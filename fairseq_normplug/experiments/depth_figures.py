@@ -6,13 +6,10 @@ import os
 from typing import Callable, Dict, List, Sequence
 
 logging.getLogger("matplotlib").setLevel(logging.WARNING)
-from matplotlib.figure import Figure  # noqa: E402
 
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.experiments.depths import by_design, depth_markdown  # noqa: E402
-from matplotlib import colormaps  # noqa: E402
-
-from fairseq_normplug.experiments.figures import save_figure  # noqa: E402
+from fairseq_normplug.experiments.figures import colormap, new_figure, save_figure  # noqa: E402
 from fairseq_normplug.experiments.training_log import parse_training_log  # noqa: E402
 from fairseq_normplug.atomic_files import write_text_atomic  # noqa: E402
 
@@ -23,7 +20,7 @@ MARKERS = "os^vD<>pPhX*"
 
 def design_style(index: int) -> dict:
     """The colour and marker of the ``index``-th design, the same in both figures."""
-    return {"color": colormaps["tab20"](index % 20), "marker": MARKERS[index % len(MARKERS)]}
+    return {"color": colormap("tab20")(index % 20), "marker": MARKERS[index % len(MARKERS)]}
 LOSS_FIGURE = "depth_train_loss.png"
 
 
@@ -32,7 +29,7 @@ def plot_metric_against_depth(grid: Dict[str, Dict[int, dict]], depths: Sequence
     """One line per design through its scored depths; a run without a score (diverged, failed)
     is an x at 0 in the design's colour. Returns {design: {"scored": [(layers, value)],
     "unscored": [(layers, status)]}}."""
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    fig = new_figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
     drawn = {}
     for index, (design, cells) in enumerate(grid.items()):
@@ -61,7 +58,7 @@ def plot_train_loss(logs: Dict[str, list], layers: int, path: str, designs: Sequ
     """Train loss (fairseq's ``loss`` of train_inner records, base 2) against updates of each
     design at ``layers`` layers, each in its style of ``designs`` (the table's order). Returns
     {design: (updates, losses)}."""
-    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    fig = new_figure(figsize=(10, 4.5), layout="constrained")
     ax = fig.add_subplot()
     series = {}
     for design, log in logs.items():

@@ -38,13 +38,13 @@ import logging
 import math
 import os
 import sys
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 # importing fairseq (via the plugin package) sets the root logger to DEBUG; keep
 # matplotlib's font-search chatter out of the output
 logging.getLogger("matplotlib").setLevel(logging.WARNING)
-from matplotlib import colormaps  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 from fairseq_normplug.errors import NormplugError  # noqa: E402
 from fairseq_normplug.atomic_files import atomic_output  # noqa: E402
@@ -53,6 +53,22 @@ from fairseq_normplug.experiments.figure_data import (  # noqa: E402,F401 (figur
     combine_seeds, Logs, _logs_with, MissingLogData, norm_sort_key, parse_norm_name, seed_band, SeedBand,
     Series, _sorted_norms,
 )
+
+def new_figure(**options) -> "Figure":
+    """A matplotlib ``Figure(**options)`` (no pyplot, no display). matplotlib is imported here,
+    on first use: the processes that draw nothing (launchers, train.sh, submitit's jobs) import
+    this module through the runner and do not pay its 0.4 s import."""
+    from matplotlib.figure import Figure
+
+    return Figure(**options)
+
+
+def colormap(name: str):
+    """matplotlib's colormap ``name`` (imported on first use, as in :func:`new_figure`)."""
+    from matplotlib import colormaps
+
+    return colormaps[name]
+
 
 G_PANELS = (("enc.attn", "Encoder self-attention"), ("enc.ffn", "Encoder FFN"),
             ("dec.attn", "Decoder self-attention"), ("dec.cross", "Decoder enc-dec attention"),
@@ -78,14 +94,14 @@ def draw(ax, data: Series, label: Optional[str] = None, positions: Optional[Dict
     return line
 
 
-def save_figure(fig: Figure, path: str) -> None:
+def save_figure(fig: "Figure", path: str) -> None:
     """Write ``fig`` to ``path`` as a PNG, atomically."""
     with atomic_output(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
 
 
 def _line_figure(series: Dict[str, Series], path: str, title: str, ylabel: str, log_y: bool = False) -> None:
-    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    fig = new_figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     for label, data in series.items():
         draw(ax, data, label, marker="o", markersize=3, linewidth=1.2)
@@ -147,7 +163,7 @@ def plot_scalenorm_g(logs: Logs, path: str) -> Dict[str, Dict[str, Series]]:
                         "g:<norm> keys (train with --scalenorm --norm-stats-interval N)")
     data = {label: _combined_panels([_g_panels(log.latest("train_inner", "g:")) for log in group])
             for label, group in chosen.items()}
-    fig = Figure(figsize=(13, 7), layout="constrained")
+    fig = new_figure(figsize=(13, 7), layout="constrained")
     axes = fig.subplots(2, 3)
     for ax, (key, title) in zip(axes.flat, G_PANELS + (("final", "Final norms (PreNorm)"),)):
         positions = {"enc": 0, "dec": 1} if key == "final" else None
@@ -192,7 +208,7 @@ def plot_label_smoothing_g(logs: Logs, path: str) -> Dict[str, Series]:
         data[label] = combine_seeds(per_seed)
     longest = sorted({name for series in data.values() for name in series[0]}, key=norm_sort_key)
     positions = {name: index for index, name in enumerate(longest)}
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    fig = new_figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
     for label, series in data.items():
         draw(ax, series, _smoothing_label(label, chosen[label][0].label_smoothing), positions, marker="o")
@@ -247,7 +263,7 @@ def plot_dyt_alpha(logs: Logs, path: str) -> dict:
         else:
             tracked[name] = (seed_band([(u, a) for u, a, _ in per_seed]), seed_band([(u, i) for u, _, i in per_seed]))
 
-    fig = Figure(figsize=(13, 4.8), layout="constrained")
+    fig = new_figure(figsize=(13, 4.8), layout="constrained")
     left, right = fig.subplots(1, 2)
     all_names = sorted({name for alphas in final_alpha.values() for name in
                         (alphas.xs if isinstance(alphas, SeedBand) else alphas)}, key=norm_sort_key)
@@ -278,7 +294,7 @@ def plot_dyt_alpha(logs: Logs, path: str) -> dict:
 
 def cm_color(index: int, count: int):
     """The ``index``-th of ``count`` colours spread over the viridis map (forward order)."""
-    return colormaps["viridis"](index / max(count - 1, 1))
+    return colormap("viridis")(index / max(count - 1, 1))
 
 
 def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Series]]:
@@ -292,7 +308,7 @@ def plot_dyt_saturation(logs: Logs, path: str) -> Dict[str, Dict[str, Series]]:
         names = sorted({name for log in group for name in log.latest("train_inner", "sat:")}, key=norm_sort_key)
         data[label] = {name: combine_seeds([log.series("train_inner", f"sat:{name}") for log in group
                                             if name in log.latest("train_inner", "sat:")]) for name in names}
-    fig = Figure(figsize=(6.5 * len(data), 4.5), layout="constrained")
+    fig = new_figure(figsize=(6.5 * len(data), 4.5), layout="constrained")
     axes = fig.subplots(1, len(data), squeeze=False)[0]
     for ax, (label, series) in zip(axes, data.items()):
         for index, (name, fractions) in enumerate(series.items()):
