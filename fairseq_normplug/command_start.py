@@ -3,10 +3,10 @@ fairseq-train and fairseq-generate (``experiments/processes.py``), the norm conv
 fine-tune (``diagnostics/convert.py``), the data preparation's fairseq-preprocess
 (``prepare/pipeline.py``), the GPU check's trainings, decoding and benchmarks
 (``bench/gpu_check.py``, ``bench/gpu_check_training.py``), the training benchmark's runs
-(``bench/bench_train.py``) and the norm benchmark's rounds (``bench/bench_norms.py``). By default a real process (``subprocess.Popen``); a test whose
-subject is the logic around a command, not the process, chooses another starter for a block
-(``commands_started_by``: ``tests/inprocess.py``'s ``forked_commands`` runs each command in a
-forked child of the test process). Standard library only, so that every layer can use it."""
+(``bench/bench_train.py``) and the norm benchmark's rounds (``bench/bench_norms.py``). By default
+a real process (``subprocess.Popen``); a test whose subject is the logic around a command, not
+the process, chooses another starter for a block (``commands_started_by``: ``tests/inprocess.py``'s
+``forked_commands`` runs each command in a forked child of the test process). Standard library only, so that every layer can use it."""
 import subprocess
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional

@@ -27,11 +27,11 @@ from typing import Dict, List
 
 import torch
 
-from fairseq_normplug.command_start import run_command, start_command
 from fairseq_normplug.bench.common import (
     DEFAULT_RESULTS, OtherProcesses, load_average, load_warning, machine_line, markdown_table,
     median, publish, steady_allocator_env,
 )
+from fairseq_normplug.command_start import run_command, start_command
 from fairseq_normplug.experiments.training_log import json_record
 from fairseq_normplug.fairseq_commands import fairseq_command, program_path, USER_DIR_FLAGS
 

@@ -39,10 +39,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fairseq_normplug.command_start import run_command
 from fairseq_normplug.bench.bench_norms import candidates
 from fairseq_normplug.bench.bench_train import prepare_data
 from fairseq_normplug.bench.common import DEFAULT_RESULTS, machine_line, markdown_table, write_results
+from fairseq_normplug.command_start import run_command
 from fairseq_normplug.modules import fused
 from fairseq_normplug.bench.check_report import Deadline, Report, guarded
 from fairseq_normplug.bench.gpu_check_training import (  # noqa: F401 (gpu_check.judge_training, ...)

@@ -1,17 +1,15 @@
 """The depth table's figures (experiments/depths.py): test BLEU (or the table's cell metric)
 against layers per stack, one line per design, diverged and failed runs drawn as x on the
 x-axis; and the train-loss curves of every design at the deepest depth that has logs."""
-import logging
 import os
 from typing import Callable, Dict, List, Sequence
 
-logging.getLogger("matplotlib").setLevel(logging.WARNING)
-
-from fairseq_normplug.errors import NormplugError  # noqa: E402
-from fairseq_normplug.experiments.depths import by_design, depth_markdown  # noqa: E402
-from fairseq_normplug.experiments.figures import colormap, new_figure, save_figure  # noqa: E402
-from fairseq_normplug.experiments.training_log import parse_training_log  # noqa: E402
-from fairseq_normplug.atomic_files import write_text_atomic  # noqa: E402
+from fairseq_normplug.errors import NormplugError
+from fairseq_normplug.experiments.depths import by_design, depth_markdown
+# figures quiets matplotlib's logger and imports matplotlib on first use (new_figure, colormap)
+from fairseq_normplug.experiments.figures import colormap, new_figure, save_figure
+from fairseq_normplug.experiments.training_log import parse_training_log
+from fairseq_normplug.atomic_files import write_text_atomic
 
 BLEU_FIGURE = "depth_bleu.png"
 #: one marker per design beside its colour (tab20 has 20 colours; the designs are more than viridis can tell apart)
