@@ -21,8 +21,8 @@ import fault_hooks
 from conftest import REPO
 from inprocess import forked_commands
 from test_trust import trust  # noqa: F401 (fixture)
-from test_trust import (copy_reference_runs, finish, launcher_here, run_dir, start_launcher, table_csv,
-                        uninterrupted_table, wait_for, write_lock)
+from test_trust import (copy_reference_runs, finish, held_pid, launcher_here, run_dir, start_launcher,
+                        start_paused_launcher, table_csv, uninterrupted_table, wait_for, write_lock)
 from fairseq_normplug.experiments import ownership, runner, single_run
 from fairseq_normplug.experiments.configs import load_table
 from fairseq_normplug.experiments.launchers import LocalLauncher
@@ -203,23 +203,6 @@ def pause_hook(root):
         hook.mkdir()
         (hook / "sitecustomize.py").write_text(PAUSE_HOOK)
     return hook
-
-
-def start_paused_launcher(trust, out, name, pause_at):
-    """test_trust's launcher (forked) of the PreNorm row on ``out``/runs, its fairseq process held
-    at ``pause_at`` (tests/fault_hooks.py's pause, installed in its forked fairseq commands); the
-    file its held process writes its pid to."""
-    paused = trust[0] / f"{name}.paused"
-    proc = start_launcher(trust, out, name, rows=["PreNorm"], at_start=fault_hooks.install,
-                          env={"NORMPLUG_TEST_PAUSE_AT": pause_at, "NORMPLUG_TEST_PAUSED": str(paused)})
-    return proc, paused
-
-
-def held_pid(proc, paused) -> int:
-    """The pid of the launcher's held fairseq process, once it is held there."""
-    wait_for(lambda: paused.exists() or proc.poll() is not None, timeout=300)
-    assert paused.exists(), f"the launcher ended (exit {proc.poll()}) before its process was held"
-    return int(paused.read_text())
 
 
 def kill_if_alive(pid):

@@ -144,6 +144,23 @@ def start_launcher(trust, out, name, rows=(), real=False, env=(), at_start=None)
                           **options)
 
 
+def start_paused_launcher(trust, out, name, pause_at):
+    """A launcher (forked, :func:`start_launcher`) of the PreNorm row on ``out``/runs, its fairseq
+    process held at ``pause_at`` (tests/fault_hooks.py's pause, installed in its forked fairseq
+    commands); the file its held process writes its pid to."""
+    paused = trust[0] / f"{name}.paused"
+    proc = start_launcher(trust, out, name, rows=["PreNorm"], at_start=fault_hooks.install,
+                          env={"NORMPLUG_TEST_PAUSE_AT": pause_at, "NORMPLUG_TEST_PAUSED": str(paused)})
+    return proc, paused
+
+
+def held_pid(proc, paused) -> int:
+    """The pid of the launcher's held fairseq process, once it is held there."""
+    wait_for(lambda: paused.exists() or proc.poll() is not None, timeout=300)
+    assert paused.exists(), f"the launcher ended (exit {proc.poll()}) before its process was held"
+    return int(paused.read_text())
+
+
 def launcher_main(argv) -> int:
     """What LAUNCHER does with its command line ``argv``: its exit status."""
     configs, table, data, runs, results, *rows = argv
@@ -225,10 +242,12 @@ def test_a_second_launcher_started_while_the_first_trains_waits_for_it(trust, re
 @pytest.mark.slow
 def test_a_killed_owners_run_is_taken_over_and_ends_as_if_uninterrupted(trust, reference):
     root = trust[0]
-    killed = start_launcher(trust, "takeover", "killed", rows=["PreNorm"])
+    # held after update 6, past the save of update 5, so that the kill comes mid-training however
+    # slow the machine (polling for the checkpoint instead let a loaded machine finish the run first)
+    killed, paused = start_paused_launcher(trust, "takeover", "killed", "update:6")
+    held_pid(killed, paused)
     folder = run_dir(root / "takeover", "prenorm")
-    wait_for(lambda: runner.checkpoint_safety.read_checkpoint(os.path.join(folder, "checkpoints", "checkpoint_last.pt"))
-             is not None or killed.poll() is not None)
+    assert runner.checkpoint_safety.read_checkpoint(os.path.join(folder, "checkpoints", "checkpoint_last.pt"))
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait()
     holder = ownership.read_holder(os.path.join(folder, ownership.LOCK_NAME))
