@@ -12,7 +12,8 @@ already, from ``install`` called in it (``ForkedLauncher(..., at_start=fault_hoo
                       by the caller: ``during_write(tables)``)
   NORMPLUG_TEST_PAUSE_AT=update:N or generate:N: after fairseq-train's update N or at
     fairseq-generate's N-th batch, write this process's pid to $NORMPLUG_TEST_PAUSED and wait
-    there until a signal ends it
+    there until a signal ends it; once: a process that finds that file there goes on (a
+    resumed run that passes update N again)
   NORMPLUG_TEST_ENOSPC_AT=N: fairseq-train's save of update N writes half the checkpoint and
     fails as a full disk does (OSError ENOSPC)
 """
@@ -124,6 +125,8 @@ def pause_point():
 
 
 def pause():
+    if os.path.exists(os.environ["NORMPLUG_TEST_PAUSED"]):  # held once already
+        return
     with open(os.environ["NORMPLUG_TEST_PAUSED"] + ".tmp", "w") as f:
         f.write(str(os.getpid()))
     os.replace(os.environ["NORMPLUG_TEST_PAUSED"] + ".tmp", os.environ["NORMPLUG_TEST_PAUSED"])
@@ -171,3 +174,13 @@ def _source() -> str:
 
 #: the text of a ``sitecustomize.py`` that installs these hooks in a real process
 SITECUSTOMIZE = _source() + "\n\ninstall()\n"
+
+
+def sitecustomize_folder(parent) -> str:
+    """A folder (made once under the pathlib folder ``parent``) holding :data:`SITECUSTOMIZE` as
+    ``sitecustomize.py``: on a real process's PYTHONPATH, it installs these hooks there."""
+    folder = parent / "fault-hooks"
+    if not folder.exists():
+        folder.mkdir()
+        (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return str(folder)

@@ -14,6 +14,8 @@ import time
 import pytest
 import torch
 
+import fault_hooks
+from conftest import REPO
 from inprocess import ForkedCommand, forked_commands
 from fairseq_normplug.command_start import commands_started_by
 from fairseq_normplug.errors import NormplugError
@@ -261,14 +263,20 @@ def test_two_jobs_run_at_once_and_give_the_same_table_as_one(one_job, two_jobs):
 
 
 @pytest.mark.slow
-def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orch, one_job):
+def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orch, one_job, monkeypatch):
     """The same jobs as on SLURM, run by submitit's local executor; the second run gets the
-    preemption signal (SIGUSR2) once its first checkpoint is complete (checkpoint_last.pt, the
-    last copy fairseq writes, as large as the interval checkpoint): it is requeued and resumes. (The
-    first run's folder is --jobs 1's finished one: its job only finds it done, to save time.)"""
+    preemption signal (SIGUSR2) while its fairseq-train is held after update 6, past its first
+    checkpoint (tests/fault_hooks.py's pause, a sitecustomize in the job's real processes: however
+    slow the machine, the signal comes mid-training): it is requeued and resumes from update 5, and
+    its resumed trainer passes update 6 without being held again. (The first run's folder is --jobs
+    1's finished one: its job only finds it done, to save time.)"""
     root, _, _ = orch
     shutil.copytree(one_job[0] / "runs" / "orch" / "src-tgt" / "prenorm", root / "slurm" / "runs" / "orch" /
                     "src-tgt" / "prenorm")
+    paused = root / "slurm-trainer.paused"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fault_hooks.sitecustomize_folder(root), REPO]))
+    monkeypatch.setenv("NORMPLUG_TEST_PAUSE_AT", "update:6")
+    monkeypatch.setenv("NORMPLUG_TEST_PAUSED", str(paused))
     launcher = SlurmLauncher(folder=str(root / "submitit"), cluster="local", gpus_per_run=0, cpus_per_run=1,
                              time_limit_min=30)
     preempted = root / "slurm" / "runs" / "orch" / "src-tgt" / "prenorm-fixnorm-scalenorm"
@@ -276,11 +284,9 @@ def test_submitit_local_executor_runs_the_table_and_requeues_a_preempted_job(orc
 
     def preempt():
         deadline = time.time() + 300
-        interval, last = (preempted / "checkpoints" / name for name in ("checkpoint_1_5.pt", "checkpoint_last.pt"))
         while time.time() < deadline and not signalled:
             job = launcher.submitted.get(str(preempted))
-            if job is not None and interval.exists() and last.exists() and \
-                    last.stat().st_size == interval.stat().st_size > 0:
+            if job is not None and paused.exists():
                 for pid in launchers.descendants(int(job.job_id)):
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         if b"submitit.core._submit" in f.read():

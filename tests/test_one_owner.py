@@ -190,21 +190,6 @@ def prenorm_reference(trust):
     return uninterrupted_table(trust, rows=["PreNorm"])
 
 
-#: tests/fault_hooks.py as a sitecustomize: with NORMPLUG_TEST_PAUSE_AT=update:N (after
-#: fairseq-train's update N) or generate:N (fairseq-generate's N-th batch), the process writes
-#: its pid to $NORMPLUG_TEST_PAUSED and waits there until a signal ends it
-PAUSE_HOOK = fault_hooks.SITECUSTOMIZE
-
-
-def pause_hook(root):
-    """The folder of PAUSE_HOOK's sitecustomize."""
-    hook = root / "pause-hook"
-    if not hook.exists():
-        hook.mkdir()
-        (hook / "sitecustomize.py").write_text(PAUSE_HOOK)
-    return hook
-
-
 def kill_if_alive(pid):
     if ownership.pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
@@ -286,7 +271,7 @@ def test_train_sh_stopped_by_sigterm_ends_its_trainer_and_the_same_command_resum
     folder = str(root / "train-sh" / "prenorm")
     argv = ["trust", "PreNorm", data, "--run-dir", folder]
     paused = root / "train-sh.paused"
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(pause_hook(root)), REPO]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([fault_hooks.sitecustomize_folder(root), REPO]))
     monkeypatch.setenv("NORMPLUG_TEST_PAUSE_AT", "update:7")
     monkeypatch.setenv("NORMPLUG_TEST_PAUSED", str(paused))
 
