@@ -12,8 +12,8 @@ already, from ``install`` called in it (``ForkedLauncher(..., at_start=fault_hoo
                       by the caller: ``during_write(tables)``)
   NORMPLUG_TEST_PAUSE_AT=update:N or generate:N: after fairseq-train's update N or at
     fairseq-generate's N-th batch, write this process's pid to $NORMPLUG_TEST_PAUSED and wait
-    there until a signal ends it; once: a process that finds that file there goes on (a
-    resumed run that passes update N again)
+    there until a signal ends it or the test writes $NORMPLUG_TEST_PAUSED.go (:func:`release`);
+    once: a process that finds that file there goes on (a resumed run that passes update N again)
   NORMPLUG_TEST_ENOSPC_AT=N: fairseq-train's save of update N writes half the checkpoint and
     fails as a full disk does (OSError ENOSPC)
 """
@@ -130,8 +130,14 @@ def pause():
     with open(os.environ["NORMPLUG_TEST_PAUSED"] + ".tmp", "w") as f:
         f.write(str(os.getpid()))
     os.replace(os.environ["NORMPLUG_TEST_PAUSED"] + ".tmp", os.environ["NORMPLUG_TEST_PAUSED"])
-    while True:
+    while not os.path.exists(os.environ["NORMPLUG_TEST_PAUSED"] + ".go"):
         time.sleep(0.1)
+
+
+def release(paused) -> None:
+    """Let the process held at the pause file ``paused`` go on."""
+    with open(f"{paused}.go", "w"):
+        pass
 
 
 PAUSES = {"update": ("fairseq.trainer", at_update(lambda: pause_point()[1], pause)),

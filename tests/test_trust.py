@@ -228,12 +228,20 @@ def test_two_launchers_started_at_once_train_each_run_once(trust, reference):
 @pytest.mark.slow
 def test_a_second_launcher_started_while_the_first_trains_waits_for_it(trust, reference):
     """Staggered: the second starts when the first run has its first checkpoint (where it used
-    to load that checkpoint and train beside the first); it trains the other run, then waits."""
+    to load that checkpoint and train beside the first); it trains the other run, then waits.
+    The first's fairseq-train is held after update 6, past that checkpoint, until the second has
+    found the run held (tests/fault_hooks.py's pause and release): however slow the machine, the
+    first cannot finish its run before the second starts."""
     root = trust[0]
-    first = start_launcher(trust, "staggered", "staggered-a")
-    checkpoint = os.path.join(run_dir(root / "staggered", "prenorm"), "checkpoints", "checkpoint_last.pt")
-    wait_for(lambda: os.path.exists(checkpoint) or first.poll() is not None)
+    paused = root / "staggered-a.paused"
+    first = start_launcher(trust, "staggered", "staggered-a", at_start=fault_hooks.install,
+                           env={"NORMPLUG_TEST_PAUSE_AT": "update:6", "NORMPLUG_TEST_PAUSED": str(paused)})
+    held_pid(first, paused)
+    assert os.path.exists(os.path.join(run_dir(root / "staggered", "prenorm"), "checkpoints", "checkpoint_last.pt"))
     second = start_launcher(trust, "staggered", "staggered-b")
+    second_log = root / "staggered-b.log"
+    wait_for(lambda: "held by" in second_log.read_text() or second.poll() is not None, timeout=300)
+    fault_hooks.release(paused)
     assert finish(first) == 0 and finish(second) == 0
     assert_trained_once_by_two(root, "staggered", ("staggered-a", "staggered-b"), reference)
     assert "[trust src-tgt | PreNorm] held by host" in (root / "staggered-b.log").read_text()
