@@ -6,7 +6,8 @@ fine-tune (``diagnostics/convert.py``), the data preparation's fairseq-preproces
 (``bench/bench_train.py``) and the norm benchmark's rounds (``bench/bench_norms.py``). By default
 a real process (``subprocess.Popen``); a test whose subject is the logic around a command, not
 the process, chooses another starter for a block (``commands_started_by``: ``tests/inprocess.py``'s
-``forked_commands`` runs each command in a forked child of the test process). Standard library only, so that every layer can use it."""
+``forked_commands`` runs each command in a forked child of the test process). Standard library
+only, so that every layer can use it."""
 import subprocess
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional

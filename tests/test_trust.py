@@ -144,12 +144,12 @@ def start_launcher(trust, out, name, rows=(), real=False, env=(), at_start=None)
                           **options)
 
 
-def start_paused_launcher(trust, out, name, pause_at):
-    """A launcher (forked, :func:`start_launcher`) of the PreNorm row on ``out``/runs, its fairseq
-    process held at ``pause_at`` (tests/fault_hooks.py's pause, installed in its forked fairseq
-    commands); the file its held process writes its pid to."""
+def start_paused_launcher(trust, out, name, pause_at, rows=("PreNorm",)):
+    """A launcher (forked, :func:`start_launcher`) of ``rows`` (the PreNorm row; () for both) on
+    ``out``/runs, its first fairseq process to reach ``pause_at`` held there (tests/fault_hooks.py's
+    pause, installed in its forked fairseq commands); the file its held process writes its pid to."""
     paused = trust[0] / f"{name}.paused"
-    proc = start_launcher(trust, out, name, rows=["PreNorm"], at_start=fault_hooks.install,
+    proc = start_launcher(trust, out, name, rows=list(rows), at_start=fault_hooks.install,
                           env={"NORMPLUG_TEST_PAUSE_AT": pause_at, "NORMPLUG_TEST_PAUSED": str(paused)})
     return proc, paused
 
@@ -233,9 +233,7 @@ def test_a_second_launcher_started_while_the_first_trains_waits_for_it(trust, re
     found the run held (tests/fault_hooks.py's pause and release): however slow the machine, the
     first cannot finish its run before the second starts."""
     root = trust[0]
-    paused = root / "staggered-a.paused"
-    first = start_launcher(trust, "staggered", "staggered-a", at_start=fault_hooks.install,
-                           env={"NORMPLUG_TEST_PAUSE_AT": "update:6", "NORMPLUG_TEST_PAUSED": str(paused)})
+    first, paused = start_paused_launcher(trust, "staggered", "staggered-a", "update:6", rows=())
     held_pid(first, paused)
     assert os.path.exists(os.path.join(run_dir(root / "staggered", "prenorm"), "checkpoints", "checkpoint_last.pt"))
     second = start_launcher(trust, "staggered", "staggered-b")
