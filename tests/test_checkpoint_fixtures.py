@@ -26,8 +26,11 @@ _spec = importlib.util.spec_from_file_location("make_fixtures", os.path.join(FIX
 make_fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_fixtures)
 
-#: log-probabilities and scores agree within this (a fraction of their scale, at least 1)
-TOLERANCE = 1e-6
+#: log-probabilities and scores agree within this (a fraction of their scale, at least 1):
+#: float32 kernels sum in a different order on another CPU (the fixtures' log-probabilities
+#: differed by up to 1.9e-6 on an AMD EPYC with AVX2 only, Dec 7), while a changed model moves
+#: them by far more
+TOLERANCE = 1e-5
 
 
 def load_fixture(name):
