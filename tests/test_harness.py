@@ -1,5 +1,6 @@
 """The test suite's own rules (tests/conftest.py), on stand-in commands: a failed peer and a
 hang end their job at once, and a fast path's fallback warning fails a command's test."""
+import os
 import sys
 import time
 
@@ -63,3 +64,31 @@ def test_a_fallback_warning_inside_this_process_is_an_error():
         warnings.warn(WARNING, RuntimeWarning)
     with pytest.warns(RuntimeWarning, match="native CPU norm kernels unavailable"):
         warnings.warn(WARNING, RuntimeWarning)
+
+
+RECORDING_PYTHON = """#!/usr/bin/env bash
+# stand-in for the environment's python: prints what scripts/test.sh runs it with
+echo "OMP_NUM_THREADS=$OMP_NUM_THREADS"
+printf '%s\\n' "$@"
+"""
+
+
+@pytest.mark.parametrize("args,workers", [([], "3"), (["-m", "not slow"], "2"), (["-mnot slow"], "2"),
+                                          (["-m", "slow"], "3")])
+def test_the_quick_loop_runs_one_worker_per_core_and_the_suite_one_more(tmp_path, args, workers):
+    """scripts/test.sh on 2 cores: the whole suite waits on the commands it starts and takes a third
+    worker, the quick loop computes throughout and takes two (docs/setup.md)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(RECORDING_PYTHON)
+    python.chmod(0o755)
+    fake_bin = tmp_path / "bin"  # a getconf that says 2 cores, whatever this machine has
+    fake_bin.mkdir()
+    (fake_bin / "getconf").write_text("#!/usr/bin/env bash\necho 2\n")
+    (fake_bin / "getconf").chmod(0o755)
+    env = {"NORMPLUG_SETUP": "0", "NORMPLUG_VENV": str(venv), "NORMPLUG_TEST_WORKERS": None, "OMP_NUM_THREADS": None,
+           "MKL_NUM_THREADS": None, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    printed = run_cli(["bash", os.path.join(conftest.REPO, "scripts", "test.sh"), *args], env=env).stdout.splitlines()
+    assert printed[0] == "OMP_NUM_THREADS=1"
+    assert printed[1:] == ["-m", "pytest", "tests", "examples", "-n", workers, "--dist", "loadfile", *args]
