@@ -97,10 +97,10 @@ if [ "$status" != 0 ]; then
 fi
 "$VENV/bin/python" -c 'import fairseq_normplug'
 # the native CPU norm kernels (fairseq_normplug/modules/native.py), built here once per machine and
-# torch (about 20 s) rather than in the first training or test; where they cannot be built, the
+# torch (10-25 s) rather than in the first training or test; where they cannot be built, the
 # plugin's one-line warning says why and set-up goes on, as training does: the other fast paths
 # take over (NORMPLUG_NATIVE=0: not built)
-log "building the native CPU norm kernels (once per machine and torch, about 20 s)"
+log "building the native CPU norm kernels (once per machine and torch, 10-25 s)"
 "$VENV/bin/python" -c 'from fairseq_normplug.modules import native; native.enabled() and native.ops()' \
   || log "the native CPU norm kernels were not built (above): training falls back to the other fast paths"
 echo "$settings" > "$stamp"

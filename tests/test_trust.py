@@ -242,7 +242,7 @@ def test_a_second_launcher_started_while_the_first_trains_waits_for_it(trust, re
     fault_hooks.release(paused)
     assert finish(first) == 0 and finish(second) == 0
     assert_trained_once_by_two(root, "staggered", ("staggered-a", "staggered-b"), reference)
-    assert "[trust src-tgt | PreNorm] held by host" in (root / "staggered-b.log").read_text()
+    assert "[trust src-tgt | PreNorm] held by host" in second_log.read_text()
 
 
 @pytest.mark.slow

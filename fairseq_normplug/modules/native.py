@@ -8,8 +8,8 @@ autograd function or a ctypes call adds 10-20 us, most of a decoding step's norm
 
 The library is built on first use, once per machine and torch installation, with the system
 C++ compiler (``$CXX``, default ``c++``; OpenMP and ``-march=native`` when available) against
-the installed torch's headers (about 10 s), into ``$NORMPLUG_CACHE_DIR`` (default
-``~/.cache/fairseq-normplug``), and loaded with ``torch.ops.load_library``. Concurrent
+the installed torch's headers (10-25 s; ``scripts/setup_env.sh`` builds it), into
+``$NORMPLUG_CACHE_DIR`` (default ``~/.cache/fairseq-normplug``), and loaded with ``torch.ops.load_library``. Concurrent
 processes (data-parallel workers) wait for one build. ``NORMPLUG_NATIVE=0`` disables it;
 where it cannot be built (no compiler, no torch headers) a one-time warning says why and the
 other fast paths (``fused.py``) take over.
@@ -123,7 +123,7 @@ def _build() -> str:
             if os.path.exists(path):  # another process built it while we waited
                 return path
             logger.info("building the native norm kernels with %s %s (once per machine and "
-                        "torch version, about 10 s)", compiler, " ".join(flags))
+                        "torch version, 10-25 s)", compiler, " ".join(flags))
             start = time.time()
             with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
                 out = os.path.join(tmp, "ops.so")
