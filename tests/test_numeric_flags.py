@@ -11,8 +11,9 @@ import pytest
 
 from fairseq_normplug import number_flag
 from fairseq_normplug.errors import NormplugError
-from fairseq_normplug.models.normplug_args import resolve_normplug_args
-from fairseq_normplug.modules.norm_registry import norm_args
+from fairseq_normplug.models.normplug_args import add_normplug_args, resolve_normplug_args
+from fairseq_normplug.models.normplug_config import flag_actions
+from fairseq_normplug.modules.norm_registry import NORM_TYPES, NormType, norm_args
 from fairseq_normplug.numeric_flags import check_number_flags
 from model_helpers import parse_args
 
@@ -128,3 +129,21 @@ def test_a_hydra_model_config_value_gets_the_same_check():
     with pytest.raises(NormplugError) as error:
         check_hydra_model_config(cfg)
     assert str(error.value) == "--dyt-alpha-init must be a finite number > 0, got inf (or pass auto)"
+
+
+def test_a_norm_registered_after_the_flags_were_read_gets_its_range_checked(monkeypatch):
+    """The plugin's flag actions are read once per set of registered norm types and designs
+    (``normplug_config.flag_actions``, asked eight times a model build): a norm type registered
+    later is in them, so a hand-made Namespace's value of its flag is checked at resolve time."""
+    class LateNorm:
+        @staticmethod
+        def add_args(parser):
+            parser.add_argument("--late-norm-p", **number_flag(above=0, at_most=4))
+
+    first = flag_actions(add_normplug_args)
+    assert flag_actions(add_normplug_args) is first and "late_norm_p" not in first
+    resolve_normplug_args(argparse.Namespace(late_norm_p=9.0))  # not a flag yet: not checked
+    monkeypatch.setitem(NORM_TYPES, "late-norm", NormType("late-norm", LateNorm, False, False))
+    assert "late_norm_p" in flag_actions(add_normplug_args)
+    with pytest.raises(NormplugError, match=r"^--late-norm-p must be in \(0, 4\], got 9.0$"):
+        resolve_normplug_args(argparse.Namespace(late_norm_p=9.0))

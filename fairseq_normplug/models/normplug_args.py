@@ -1,7 +1,6 @@
 """Command-line flags of ``transformer_normplug`` and their resolution into a validated
 :class:`NormplugSettings`. Flag names avoid the ``encoder_``/``decoder_``/``quant_noise_``
 prefixes, which fairseq's TransformerConfig would reroute into sub-configs."""
-import argparse
 import logging
 from dataclasses import dataclass
 
@@ -100,9 +99,9 @@ def check_numeric_flags(args) -> None:
     """Every numeric flag of the plugin (extensions' included) on ``args``: finite and in the
     range declared with it (:mod:`fairseq_normplug.numeric_flags`), whatever made ``args``
     (fairseq-train checks as it parses; a checkpoint's or a hand-made Namespace is checked here)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    add_normplug_args(parser)
-    check_number_flags(args, parser._actions)
+    from fairseq_normplug.models.normplug_config import flag_actions  # it imports this module
+
+    check_number_flags(args, flag_actions(add_normplug_args).values())
 
 
 def _require(condition: bool, message: str) -> None:

@@ -17,7 +17,7 @@ or by an extension module imported before this is called, is a config field too.
 import argparse
 import dataclasses
 import difflib
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from fairseq.dataclass import FairseqDataclass
 from fairseq.models.transformer import TransformerConfig
@@ -26,6 +26,8 @@ from omegaconf import OmegaConf
 
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.normplug_args import add_normplug_args
+from fairseq_normplug.models.placements import registered_designs
+from fairseq_normplug.modules.norm_registry import NORM_TYPES
 
 MODEL = "transformer_normplug"
 
@@ -45,9 +47,24 @@ def flag_parser(add_args) -> argparse.ArgumentParser:
     return parser
 
 
+def registered_flag_sources() -> tuple:
+    """What the plugin's flags are read from at run time: the registered norm types, placements
+    and modifiers (an extension loaded later registers its own, with their flags)."""
+    return (*NORM_TYPES.values(), *registered_designs())
+
+
+#: {add_args: (registered_flag_sources() when built, its flag actions)}
+_FLAG_ACTIONS: Dict[Callable, Tuple[tuple, Dict[str, argparse.Action]]] = {}
+
+
 def flag_actions(add_args) -> Dict[str, argparse.Action]:
-    """{dest: argparse action} of the flags ``add_args(parser)`` adds."""
-    return {action.dest: action for action in flag_parser(add_args)._actions}
+    """{dest: argparse action} of the flags ``add_args(parser)`` adds (read-only: built again
+    only when the registered norm types or designs change; a model build asks eight times)."""
+    sources = registered_flag_sources()
+    cached = _FLAG_ACTIONS.get(add_args)
+    if cached is None or cached[0] != sources:
+        cached = _FLAG_ACTIONS[add_args] = (sources, {action.dest: action for action in flag_parser(add_args)._actions})
+    return cached[1]
 
 
 def _field_type(action: argparse.Action):
