@@ -63,7 +63,8 @@ def flag_actions(add_args) -> Dict[str, argparse.Action]:
     sources = registered_flag_sources()
     cached = _FLAG_ACTIONS.get(add_args)
     if cached is None or cached[0] != sources:
-        cached = _FLAG_ACTIONS[add_args] = (sources, {action.dest: action for action in flag_parser(add_args)._actions})
+        actions = {action.dest: action for action in flag_parser(add_args)._actions}
+        cached = _FLAG_ACTIONS[add_args] = (sources, actions)
     return cached[1]
 
 

@@ -6,13 +6,13 @@ summed per thread, tanh as a rational function (max relative error 4e-7). Operat
 node and kernel are all C++, so a call costs what torch's own ``layer_norm`` costs (a Python
 autograd function or a ctypes call adds 10-20 us, most of a decoding step's norm).
 
-The library is built on first use, once per machine and torch installation, with the system
-C++ compiler (``$CXX``, default ``c++``; OpenMP and ``-march=native`` when available) against
-the installed torch's headers (10-25 s; ``scripts/setup_env.sh`` builds it), into
-``$NORMPLUG_CACHE_DIR`` (default ``~/.cache/fairseq-normplug``), and loaded with ``torch.ops.load_library``. Concurrent
-processes (data-parallel workers) wait for one build. ``NORMPLUG_NATIVE=0`` disables it;
-where it cannot be built (no compiler, no torch headers) a one-time warning says why and the
-other fast paths (``fused.py``) take over.
+The library is built once per machine and torch installation (by ``scripts/setup_env.sh``, or
+else on first use) with the system C++ compiler (``$CXX``, default ``c++``; OpenMP and
+``-march=native`` when available) against the installed torch's headers (10-25 s), into
+``$NORMPLUG_CACHE_DIR`` (default ``~/.cache/fairseq-normplug``), and loaded with
+``torch.ops.load_library``. Concurrent processes (data-parallel workers) wait for one build.
+``NORMPLUG_NATIVE=0`` disables it; where it cannot be built (no compiler, no torch headers) a
+one-time warning says why and the other fast paths (``fused.py``) take over.
 """
 import contextlib
 import hashlib
