@@ -20,6 +20,9 @@ import time
 
 import pytest
 
+import cpu_durations
+from cpu_durations import pytest_addoption  # noqa: F401  (--cpu-durations=N: the tests by CPU time)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN_DIR = os.path.dirname(sys.executable)
 #: the real corpora (read only): ../shared/data beside the checkout, or $NORMPLUG_SHARED_DATA
@@ -35,6 +38,7 @@ COMMAND_TIMEOUT = 600
 
 
 def pytest_configure(config):
+    cpu_durations.register(config)
     if not FALLBACK_EXPECTED:  # '.' for ':' (a ':' would end the message field)
         config.addinivalue_line(
             "filterwarnings",

@@ -92,3 +92,57 @@ def test_the_quick_loop_runs_one_worker_per_core_and_the_suite_one_more(tmp_path
     printed = run_cli(["bash", os.path.join(conftest.REPO, "scripts", "test.sh"), *args], env=env).stdout.splitlines()
     assert printed[0] == "OMP_NUM_THREADS=1"
     assert printed[1:] == ["-m", "pytest", "tests", "examples", "-n", workers, "--dist", "loadfile", *args]
+
+
+CPU_TESTS = """
+import subprocess, sys, time
+
+def test_computes():
+    sum(i * i for i in range(2 * 10**6))
+
+def test_waits_on_a_computing_child():
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(2 * 10**6))"], check=True)
+
+def test_sleeps():
+    time.sleep(0.5)
+"""
+
+
+def run_stand_ins(tmp_path, *options) -> str:
+    """pytest on the three stand-in tests, in ``tmp_path`` with a conftest that registers
+    tests/cpu_durations.py as tests/conftest.py does: its output."""
+    (tmp_path / "conftest.py").write_text("import cpu_durations\nfrom cpu_durations import pytest_addoption\n"
+                                          "def pytest_configure(config):\n    cpu_durations.register(config)\n")
+    (tmp_path / "test_stand_ins.py").write_text(CPU_TESTS)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_stand_ins.py", *options]
+    # only the plugins asked for (-p): not every pytest plugin of the environment, in each of 3 runs
+    env = {"PYTHONPATH": os.path.join(conftest.REPO, "tests"), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    return run_cli(command, cwd=str(tmp_path), env=env).stdout
+
+
+def assert_ranked_by_cpu(output: str) -> None:
+    """The three stand-ins listed by CPU seconds: a child process's CPU counts, a sleep's does not."""
+    listed = {}
+    for line in output.split("tests by CPU time", 1)[1].splitlines()[1:4]:
+        seconds, test_id = line.split()
+        listed[test_id.split("::")[1]] = float(seconds.rstrip("s"))
+    assert set(listed) == {"test_computes", "test_waits_on_a_computing_child", "test_sleeps"}, output
+    assert min(listed["test_computes"], listed["test_waits_on_a_computing_child"]) > 0.05, listed
+    assert listed["test_sleeps"] < 0.05, listed
+
+
+def test_cpu_durations_rank_tests_by_their_cpu_and_their_childrens(tmp_path):
+    """--cpu-durations=N (tests/cpu_durations.py) lists the N tests that used the most CPU
+    seconds (0: all) and their sum over the run, and nothing without the option."""
+    assert_ranked_by_cpu(run_stand_ins(tmp_path, "--cpu-durations=0"))
+    top = run_stand_ins(tmp_path, "--cpu-durations=1").split("1 tests by CPU time", 1)[1].splitlines()
+    listed = [line for line in top if "::test_" in line]
+    assert len(listed) == 1 and "test_sleeps" not in listed[0]
+    assert any(line.endswith(" CPU s in 3 tests") for line in top)
+    assert "by CPU time" not in run_stand_ins(tmp_path)
+
+
+@pytest.mark.slow
+def test_cpu_durations_gather_the_figures_of_xdist_workers(tmp_path):
+    """Under pytest-xdist each worker measures its tests; the controller lists them all."""
+    assert_ranked_by_cpu(run_stand_ins(tmp_path, "-p", "xdist.plugin", "-n", "2", "--cpu-durations=0"))
