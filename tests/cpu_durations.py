@@ -60,7 +60,7 @@ class CpuDurations:
             return
         ranked = sorted(self.measured.items(), key=lambda item: -item[1])
         shown = ranked[:count] if count > 0 else ranked
-        terminalreporter.write_sep("=", f"{'all' if count == 0 else len(shown)} tests by CPU time "
+        terminalreporter.write_sep("=", f"{len(shown)} of {len(ranked)} tests by CPU time "
                                         "(user + sys, with the processes they started)")
         for test_id, seconds in shown:
             terminalreporter.write_line(f"{seconds:9.2f}s {test_id}")
