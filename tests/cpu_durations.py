@@ -20,7 +20,10 @@ PROPERTY = "cpu_seconds"
 
 
 def cpu_seconds() -> float:
-    """User + sys CPU seconds of this process and of its waited-for child processes so far."""
+    """User + sys CPU seconds of this process and of its waited-for child processes so far: the
+    sum ``bench/common.py``'s ``OtherProcesses`` takes as its own, written out here because this
+    module imports only the standard library and pytest (``fairseq_normplug.bench`` would load
+    the package, and with it torch and fairseq, in every pytest process that takes the option)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
