@@ -146,3 +146,29 @@ def test_cpu_durations_rank_tests_by_their_cpu_and_their_childrens(tmp_path):
 def test_cpu_durations_gather_the_figures_of_xdist_workers(tmp_path):
     """Under pytest-xdist each worker measures its tests; the controller lists them all."""
     assert_ranked_by_cpu(run_stand_ins(tmp_path, "-p", "xdist.plugin", "-n", "2", "--cpu-durations=0"))
+
+
+def test_what_a_test_module_registers_is_gone_after_it_and_loads_again(tmp_path):
+    """conftest's ``registrations_restored`` (every test module runs in one): a norm type and a
+    placement registered in the block, and an extension package loaded there, are gone after it,
+    its modules too; loading the extension again registers its norm again."""
+    from fairseq_normplug import extensions
+    from fairseq_normplug.models.placements import PLACEMENTS, Placement, register_placement
+    from fairseq_normplug.modules.norm_registry import NORM_TYPES
+
+    name = f"harness_norm_{os.getpid()}"
+    package = tmp_path / name
+    package.mkdir()
+    (package / "__init__.py").write_text("from . import norm\n")
+    (package / "norm.py").write_text(
+        "from fairseq_normplug import FormulaNorm, register_norm\n\n"
+        f"@register_norm('{name}')\nclass HarnessNorm(FormulaNorm):\n"
+        "    def formula(self, x):\n        return x\n")
+    before = (dict(NORM_TYPES), dict(PLACEMENTS), dict(extensions.LOADED))
+    for _ in range(2):
+        with conftest.registrations_restored():
+            extensions.load_extensions(str(package))
+            register_placement(f"harness-placement-{os.getpid()}")(type("HarnessPlacement", (Placement,), {}))
+            assert name in NORM_TYPES and f"{name}.norm" in sys.modules
+        assert (dict(NORM_TYPES), dict(PLACEMENTS), dict(extensions.LOADED)) == before
+        assert not [module for module in sys.modules if module.startswith(name)]
