@@ -82,8 +82,9 @@ def registrations_restored():
     try:
         yield
     finally:
-        added = tuple(set(extensions.LOADED) - set(saved[-1]))
-        for name in [name for name in sys.modules if name in added or name.startswith(tuple(a + "." for a in added))]:
+        added = set(extensions.LOADED) - set(saved[-1])
+        submodules = tuple(f"{name}." for name in added)
+        for name in [name for name in sys.modules if name in added or name.startswith(submodules)]:
             del sys.modules[name]
         for registry, before in zip(registries, saved):
             registry.clear()
