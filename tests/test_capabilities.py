@@ -14,7 +14,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, registrations_restored
 from model_helpers import assert_training_steps_reach_every_parameter, build, toy_batch
 
 from fairseq_normplug import Placement, register_placement
@@ -53,10 +53,10 @@ class UndeclaredPreNorm(OwnPreNorm):
 @pytest.fixture(scope="module", autouse=True)
 def own_placements():
     """Both placements registered in this process, taken out of the registry afterwards."""
-    register_placement(DECLARED)(OwnPreNorm)
-    register_placement(UNDECLARED)(UndeclaredPreNorm)
-    yield
-    del PLACEMENTS[DECLARED], PLACEMENTS[UNDECLARED]
+    with registrations_restored():
+        register_placement(DECLARED)(OwnPreNorm)
+        register_placement(UNDECLARED)(UndeclaredPreNorm)
+        yield
 
 
 def test_a_placement_declaring_prenorm_capabilities_takes_the_prenorm_modifiers_and_trains(tiny_bin):

@@ -10,12 +10,13 @@ import pytest
 from fairseq.models.transformer import TransformerDecoderBase, TransformerEncoderBase
 from torch import nn
 
+from conftest import registrations_restored
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.fairseq_patches import source_digest
 from fairseq_normplug.models import norm_factory, transformer_normplug
 from fairseq_normplug.models.norm_factory import NormFactory
 from fairseq_normplug.models.norm_placement import PLACEHOLDER_CLASSES
-from fairseq_normplug.models.placements import PLACEMENTS, Placement, new_norm, register_placement
+from fairseq_normplug.models.placements import Placement, new_norm, register_placement
 from fairseq_normplug.models.placements.layers import PlacedDecoder, PlacedEncoder
 from fairseq_normplug.models.transformer_normplug import REPLICATED_FAIRSEQ_BUILD
 from fairseq_normplug.modules.norm_registry import FFN
@@ -115,9 +116,9 @@ class LateSlot(Placement):
 
 @pytest.fixture
 def late_slot():
-    register_placement("late-slot")(LateSlot)
-    yield
-    del PLACEMENTS["late-slot"]
+    with registrations_restored():
+        register_placement("late-slot")(LateSlot)
+        yield
 
 
 def test_a_design_that_leaves_a_placeholder_is_refused_in_one_line(tiny_bin, late_slot):

@@ -6,11 +6,12 @@ decided as it is built; a slot left with a placeholder, or a design that changes
 the output layer after it was built, is refused in one line."""
 import pytest
 
+from conftest import registrations_restored
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import (PLACEHOLDER_CLASSES, STACK_NORM_SLOTS, layer_norms,
                                                     named_norms, output_norm)
-from fairseq_normplug.models.placements import (PLACEMENTS, SUBLAYER_NORMS, Placement, new_norm,
-                                                register_placement, set_final_norm, slot_norm)
+from fairseq_normplug.models.placements import (SUBLAYER_NORMS, Placement, new_norm, register_placement,
+                                                set_final_norm, slot_norm)
 from fairseq_normplug.models.placements.layers import PlacedDecoder, PlacedEncoder
 from fairseq_normplug.models.transformer_normplug import TransformerNormplugModel
 from fairseq_normplug.modules.norm_registry import ATTENTION, FFN, FINAL, norm_type_of
@@ -73,11 +74,10 @@ class UndeclaredFinalNorm(Placement):
 def outside_placements():
     designs = {"built-branch": BuiltBranchNorm, "placeholder-branch": PlaceholderBranchNorm,
                "stack-filled-branch": StackFilledBranchNorm, "undeclared-final": UndeclaredFinalNorm}
-    for name, design in designs.items():
-        register_placement(name)(design)
-    yield
-    for name in designs:
-        del PLACEMENTS[name]
+    with registrations_restored():
+        for name, design in designs.items():
+            register_placement(name)(design)
+        yield
 
 
 def norms_of_stack(stack, prefix):

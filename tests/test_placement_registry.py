@@ -6,6 +6,7 @@ registry refuses a second placement of the same name."""
 import pytest
 import torch
 
+from conftest import registrations_restored
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.norm_placement import named_norms
 from fairseq_normplug.models.placements import PLACEMENTS, SUBLAYER_NORMS, Placement, new_norm, register_placement
@@ -49,9 +50,9 @@ class BranchNorm(Placement):
 
 @pytest.fixture
 def branch_norm():
-    register_placement("branch-norm")(BranchNorm)
-    yield
-    del PLACEMENTS["branch-norm"]
+    with registrations_restored():
+        register_placement("branch-norm")(BranchNorm)
+        yield
 
 
 def test_an_outside_placement_gets_its_flag_slots_and_every_norm_type(tiny_bin, branch_norm):
