@@ -23,6 +23,7 @@ import time
 import pytest
 
 import cpu_durations
+import faster_compose
 from cpu_durations import pytest_addoption  # noqa: F401  (--cpu-durations=N: the tests by CPU time)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +42,7 @@ COMMAND_TIMEOUT = 600
 
 def pytest_configure(config):
     cpu_durations.register(config)
+    faster_compose.install()  # hydra composes each in-process fairseq command faster (tests/faster_compose.py)
     if not FALLBACK_EXPECTED:  # '.' for ':' (a ':' would end the message field)
         config.addinivalue_line(
             "filterwarnings",

@@ -52,15 +52,15 @@ def log_records(proc, tag):
 
 @pytest.fixture(scope="module")
 def trained(tiny_bin, tmp_path_factory):
-    """Each combination trained for 30 updates (with TensorBoard logs), then resumed to 40, on
-    batches of 600 tokens (half TRAIN_COMMON's: what the tests read is the run's course and its
-    checkpoints, not how well it translates)."""
+    """Each combination trained for 15 updates, logged every 5 (with TensorBoard logs), then
+    resumed to 20, on batches of 600 tokens (half TRAIN_COMMON's: what the tests read is the
+    run's course and its checkpoints, not how well it translates)."""
     runs = {}
     for name, flags in COMBINATIONS.items():
         save_dir = tmp_path_factory.mktemp(name)
-        first = train(tiny_bin, save_dir, flags, 30,
-                      extra=["--max-tokens", "600", "--tensorboard-logdir", str(save_dir / "tensorboard")])
-        resumed = train(tiny_bin, save_dir, flags, 40, extra=["--max-tokens", "600"])
+        first = train(tiny_bin, save_dir, flags, 15, extra=["--max-tokens", "600", "--log-interval", "5",
+                                                           "--tensorboard-logdir", str(save_dir / "tensorboard")])
+        resumed = train(tiny_bin, save_dir, flags, 20, extra=["--max-tokens", "600"])
         runs[name] = (save_dir, first, resumed)
     return runs
 
@@ -69,10 +69,10 @@ def trained(tiny_bin, tmp_path_factory):
 def test_train_and_resume(trained, name):
     save_dir, first, resumed = trained[name]
     assert os.path.exists(os.path.join(save_dir, "checkpoint_last.pt"))
-    assert log_records(first, "train")[-1]["train_num_updates"] == "30"
+    assert log_records(first, "train")[-1]["train_num_updates"] == "15"
     assert "Loaded checkpoint" in resumed.stdout + resumed.stderr
-    assert "@ 30 updates" in resumed.stdout + resumed.stderr
-    assert log_records(resumed, "train")[-1]["train_num_updates"] == "40"
+    assert "@ 15 updates" in resumed.stdout + resumed.stderr
+    assert log_records(resumed, "train")[-1]["train_num_updates"] == "20"
 
 
 def tensorboard_scalars(folder):
@@ -100,13 +100,13 @@ def test_tensorboard_logdir_writes_the_logged_training_curve(trained):
     assert "Please install tensorboardX" not in first.stdout + first.stderr
     inner = tensorboard_scalars(save_dir / "tensorboard" / "train_inner")
     records = log_records(first, "train_inner")
-    assert [int(r["num_updates"]) for r in records] == [10, 20, 30]
+    assert [int(r["num_updates"]) for r in records] == [5, 10, 15]
     for key in ("loss", "lr", "gnorm"):
-        assert sorted(inner[key]) == [10, 20, 30], key
+        assert sorted(inner[key]) == [5, 10, 15], key
         for record in records:  # the text log rounds to 3 decimals
             assert inner[key][int(record["num_updates"])] == pytest.approx(float(record[key]), abs=6e-4), key
     epoch = tensorboard_scalars(save_dir / "tensorboard" / "train")
-    assert epoch["loss"][30] == pytest.approx(float(log_records(first, "train")[-1]["train_loss"]), abs=6e-4)
+    assert epoch["loss"][15] == pytest.approx(float(log_records(first, "train")[-1]["train_loss"]), abs=6e-4)
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_the_runner_reads_checkpoints_safely(trained, tmp_path):
     from fairseq_normplug.experiments.runner import selected_checkpoint
 
     save_dir, _, resumed = trained["prenorm-dyt"]
-    assert selected_checkpoint(str(save_dir / "checkpoint_last.pt")) == {"selected_update": 40, "dev_bleu": None}
+    assert selected_checkpoint(str(save_dir / "checkpoint_last.pt")) == {"selected_update": 20, "dev_bleu": None}
     marker = tmp_path / "code-ran"
     evil = tmp_path / "evil.pt"
     torch.save({"optimizer_history": [{"num_updates": 7}], "extra_state": {},

@@ -172,3 +172,71 @@ def test_what_a_test_module_registers_is_gone_after_it_and_loads_again(tmp_path)
             assert name in NORM_TYPES and f"{name}.norm" in sys.modules
         assert (dict(NORM_TYPES), dict(PLACEMENTS), dict(extensions.LOADED)) == before
         assert not [module for module in sys.modules if module.startswith(name)]
+
+
+def test_the_override_parses_are_remembered_and_equal_hydras_own(tiny_bin, monkeypatch):
+    """tests/faster_compose.py in this process: hydra's ``parse_overrides`` still calls
+    ``parse_rule`` (the method replaced), each override of a real fairseq command parses to what
+    hydra's own ``parse_rule`` gives, a second parse of a string is the remembered one, and each
+    caller gets its own copy."""
+    from fairseq import options
+    from fairseq.dataclass.utils import override_module_args
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    import faster_compose
+
+    assert OverridesParser.parse_rule is faster_compose.remembered_parse_rule
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        tiny_bin, "--user-dir", os.path.join(conftest.REPO, "fairseq_normplug"), "--arch", "transformer_normplug_tiny",
+        "--prenorm", "--scalenorm", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "3", "--cpu"])
+    overrides, _ = override_module_args(args)
+    assert len(overrides) > 200
+    calls = []
+    remembered = faster_compose.remembered_parse_rule
+    monkeypatch.setattr(OverridesParser, "parse_rule",
+                        lambda self, s, rule: calls.append((s, rule)) or remembered(self, s, rule))
+    parser = OverridesParser.create()
+    first = parser.parse_overrides(overrides)
+    assert calls == [(s, "override") for s in overrides]
+    held = faster_compose.remembered()
+    again = parser.parse_overrides(overrides)
+    assert faster_compose.remembered() == held  # nothing parsed anew
+    hydras = [faster_compose.HYDRA_PARSE_RULE(parser, s, "override") for s in overrides]
+    assert first == again == hydras
+    assert all(a is not b for a, b in zip(first, again))
+    first[0].key_or_group = "changed"
+    assert parser.parse_overrides(overrides[:1]) == hydras[:1]
+
+
+def test_a_copied_config_repository_loads_through_the_live_config_store():
+    """tests/faster_compose.py's other change: the deep copy that each composition makes of its
+    repository (``CachingConfigRepository``) keeps the live ConfigStore, so that a config stored
+    after the copy is found through it, and a load hands out a copy of the stored node."""
+    from dataclasses import dataclass
+
+    from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
+    from hydra._internal.config_search_path_impl import ConfigSearchPathImpl
+    from hydra.core.config_store import ConfigStore
+
+    import faster_compose
+
+    assert faster_compose.structured_source_type().__deepcopy__ is faster_compose.copy_sharing_the_store
+    search_path = ConfigSearchPathImpl()
+    search_path.append("schema", "structured://")
+    caching = CachingConfigRepository(ConfigRepository(search_path))
+    (source,) = caching.delegate.get_sources()
+    assert type(source) is faster_compose.structured_source_type() and source.store is ConfigStore.instance()
+
+    @dataclass
+    class StoredAfterTheCopy:
+        width: int = 7
+
+    store = ConfigStore.instance()
+    store.store(name="normplug_test_stored_after_the_copy", node=StoredAfterTheCopy)
+    try:
+        loaded = caching.load_config("normplug_test_stored_after_the_copy")
+        assert loaded is not None and loaded.config.width == 7
+        loaded.config.width = 8
+        assert store.load("normplug_test_stored_after_the_copy.yaml").node.width == 7
+    finally:
+        del store.repo["normplug_test_stored_after_the_copy.yaml"]
