@@ -17,11 +17,11 @@ NORMS = ["enc0.attn", "enc0.ffn", "enc1.attn", "enc1.ffn", "enc.final",
 # The issue's command, made cheaper: batches of 500 tokens, validation on one batch, short generations.
 TRAIN = [
     "--user-dir", os.path.join(REPO, "fairseq_normplug"), "--arch", "transformer_normplug_tiny",
-    "--prenorm", "--norm-stats-interval", "5", "--log-format", "json", "--log-interval", "5",
-    "--max-update", "30", "--cpu", "--num-workers", "0", "--optimizer", "adam", "--lr", "1e-3",
+    "--prenorm", "--norm-stats-interval", "3", "--log-format", "json", "--log-interval", "3",
+    "--max-update", "15", "--cpu", "--num-workers", "0", "--optimizer", "adam", "--lr", "1e-3",
     "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
     "--criterion", "label_smoothed_cross_entropy", "--max-tokens", "500",
-    "--validate-interval-updates", "10", "--max-valid-steps", "1",
+    "--validate-interval-updates", "5", "--max-valid-steps", "1",
     "--required-batch-size-multiple", "1", "--no-save",
 ]
 EVAL_BLEU = ["--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_a": 1.2, "max_len_b": 10}']
@@ -34,7 +34,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def log_paths(tiny_bin, tmp_path_factory):
-    """{label: log file} of three 30-update runs, trained one after the other in this process."""
+    """{label: log file} of three 15-update runs, trained one after the other in this process."""
     out = tmp_path_factory.mktemp("training_logs")
 
     def train(label):
@@ -66,9 +66,9 @@ def assert_png(path):
 
 def test_training_log_parsing(logs, log_paths):
     scale = logs["ScaleNorm"]
-    assert [r["num_updates"] for r in scale.kind("train_inner")] == [5.0, 10.0, 15.0, 20.0, 25.0, 30.0]
-    assert [r["valid_num_updates"] for r in scale.kind("valid")] == [10.0, 20.0, 30.0]
-    assert scale.last_update == 30
+    assert [r["num_updates"] for r in scale.kind("train_inner")] == [3.0, 6.0, 9.0, 12.0, 15.0]
+    assert [r["valid_num_updates"] for r in scale.kind("valid")] == [5.0, 10.0, 15.0]
+    assert scale.last_update == 15
     assert (scale.criterion, scale.label_smoothing) == ("label_smoothed_cross_entropy", 0.1)
     assert logs["ScaleNorm-noLS"].label_smoothing == 0.0
     assert scale.skipped_lines == 0
@@ -84,15 +84,15 @@ def test_training_log_parsing(logs, log_paths):
 def test_garbage_truncation_and_resumed_runs(log_paths, tmp_path):
     lines = open(log_paths["ScaleNorm"], encoding="utf-8").read().splitlines()
     inner = [line for line in lines if "| train_inner |" in line]
-    resumed = inner[3].replace('"num_updates": "20"', '"num_updates": "20", "resumed": "1"')
+    resumed = inner[3].replace('"num_updates": "12"', '"num_updates": "12", "resumed": "1"')
     path = tmp_path / "resumed.log"
     path.write_text("\n".join(
         ["binary \x00 junk | INFO | train_inner | {not json}", *lines,
          "fairseq_cli.train | nothing useful", resumed, inner[4][: len(inner[4]) // 2]]), encoding="utf-8")
     log = parse_training_log(str(path))
     updates = [r["num_updates"] for r in log.kind("train_inner")]
-    assert updates == [5.0, 10.0, 15.0, 20.0, 25.0, 30.0]  # no duplicate, sorted
-    assert log.kind("train_inner")[3]["resumed"] == 1.0  # the appended record of update 20 wins
+    assert updates == [3.0, 6.0, 9.0, 12.0, 15.0]  # no duplicate, sorted
+    assert log.kind("train_inner")[3]["resumed"] == 1.0  # the appended record of update 12 wins
     assert log.skipped_lines == 2  # the junk record and the truncated last line
     with pytest.raises(NormplugError, match="no such training log: .*nothing.log"):
         parse_training_log(str(tmp_path / "nothing.log"))
@@ -102,7 +102,7 @@ def test_dev_bleu_and_grad_norm_figures(logs, log_paths, tmp_path):
     bleu = figures.plot_dev_bleu(logs, str(tmp_path / "bleu.png"))
     assert list(bleu) == ["ScaleNorm", "DyT"]  # the run without --eval-bleu is left out
     valid = raw_records(log_paths["DyT"], "valid")
-    assert bleu["DyT"] == ([10.0, 20.0, 30.0], [float(r["valid_bleu"]) for r in valid])
+    assert bleu["DyT"] == ([5.0, 10.0, 15.0], [float(r["valid_bleu"]) for r in valid])
     assert_png(tmp_path / "bleu.png")
 
     gnorm = figures.plot_grad_norm(logs, str(tmp_path / "gnorm.png"))
