@@ -69,6 +69,7 @@ import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
 from conftest import COMMAND_TIMEOUT, FALLBACK_EXPECTED, assert_no_fallback, failure_report, run_parallel
+import faster_compose
 
 #: fairseq_cli's log record format (fairseq_cli/train.py's ``logging.basicConfig``)
 LOG_FORMAT = "%(asctime)s | %(levelname)s | %(name)s | %(message)s"
@@ -256,6 +257,7 @@ class ForkedProcess(subprocess.Popen):
             with _environment(None):
                 for module in missing:
                     importlib.import_module(module)
+        faster_compose.warm()  # the common overrides parsed before the fork, once (tests/faster_compose.py)
         super().__init__(args, **popen_options)
 
     def _child_main(self, args):

@@ -240,3 +240,28 @@ def test_a_copied_config_repository_loads_through_the_live_config_store():
         assert store.load("normplug_test_stored_after_the_copy.yaml").node.width == 7
     finally:
         del store.repo["normplug_test_stored_after_the_copy.yaml"]
+
+
+def test_a_fork_finds_most_of_its_commands_overrides_parsed_before_it(monkeypatch, tmp_path):
+    """faster_compose.warm, called before each fork of a fairseq command or launcher
+    (tests/inprocess.py): it parses the overrides of one tiny training command, once per process,
+    and they are nearly all of another command's (another model, norm, learning rate and folder)."""
+    from fairseq import options
+    from fairseq.dataclass.utils import override_module_args
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    import faster_compose
+
+    monkeypatch.setattr(faster_compose, "_PARSED", {})
+    monkeypatch.setattr(faster_compose, "_WARMED", False)
+    faster_compose.warm()
+    held = faster_compose.remembered()
+    faster_compose.warm()
+    assert faster_compose.remembered() == held > 200  # once
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(tmp_path / "bin"), "--user-dir", os.path.join(conftest.REPO, "fairseq_normplug"), "--arch",
+        "transformer_normplug_tiny", "--prenorm", "--dyt", "--optimizer", "adam", "--lr", "5e-4", "--max-update", "7",
+        "--save-dir", str(tmp_path / "run"), "--cpu"])
+    overrides, _ = override_module_args(args)
+    OverridesParser.create().parse_overrides(overrides)
+    assert faster_compose.remembered() - held < 0.1 * len(overrides)
