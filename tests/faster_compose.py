@@ -87,9 +87,10 @@ def warm() -> None:
     from fairseq import options
     from fairseq.dataclass.utils import override_module_args
 
-    user_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fairseq_normplug")
+    from conftest import REPO  # (conftest imports this module)
+
     args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data-bin", "--user-dir", user_dir, "--arch", "transformer_normplug_tiny", "--optimizer", "adam",
+        "data-bin", "--user-dir", os.path.join(REPO, "fairseq_normplug"), "--arch", "transformer_normplug_tiny", "--optimizer", "adam",
         "--lr-scheduler", "inverse_sqrt", "--criterion", "label_smoothed_cross_entropy", "--cpu"])
     OverridesParser.create().parse_overrides(override_module_args(args)[0])
 

@@ -14,13 +14,12 @@ from argparse import Namespace
 import pytest
 import torch
 
-from conftest import REPO, registrations_restored
+from conftest import REPO
 from model_helpers import assert_training_steps_reach_every_parameter, build, toy_batch
 
 from fairseq_normplug import Placement, register_placement
 from fairseq_normplug.errors import NormplugError
 from fairseq_normplug.models.resolved_config import resolve
-from fairseq_normplug.models.placements import PLACEMENTS
 from fairseq_normplug.models.placements.base import PRENORM_LIKE, missing_capability, placements_with
 
 TINY = "transformer_normplug_tiny"
@@ -52,11 +51,10 @@ class UndeclaredPreNorm(OwnPreNorm):
 
 @pytest.fixture(scope="module", autouse=True)
 def own_placements():
-    """Both placements registered in this process, taken out of the registry afterwards."""
-    with registrations_restored():
-        register_placement(DECLARED)(OwnPreNorm)
-        register_placement(UNDECLARED)(UndeclaredPreNorm)
-        yield
+    """Both placements registered in this process (conftest's ``registrations_undone`` takes
+    them out of the registry when the module ends)."""
+    register_placement(DECLARED)(OwnPreNorm)
+    register_placement(UNDECLARED)(UndeclaredPreNorm)
 
 
 def test_a_placement_declaring_prenorm_capabilities_takes_the_prenorm_modifiers_and_trains(tiny_bin):

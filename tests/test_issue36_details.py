@@ -19,7 +19,7 @@ from fairseq_normplug.modules.qknorm import HeadNormProjection, install_qknorm
 from fairseq_normplug.modules.rms_norm import RMSNorm
 from model_helpers import (assert_incremental_matches_full, assert_training_steps_reach_every_parameter, build,
                            randomized, toy_batch)
-from test_cli import NO_LOADER_WORKERS, USER_DIR, log_records, train
+from test_cli import HALF_BATCHES, NO_LOADER_WORKERS, USER_DIR, log_records, train
 
 TINY = "transformer_normplug_tiny"  # d=64, 2 heads, 2+2 layers
 D = 16
@@ -123,7 +123,7 @@ def test_fairseq_train_20_updates_and_generate(tiny_bin, tmp_path):
     """Both DyT ablations at once through fairseq-train (20 updates) and fairseq-generate."""
     save_dir = tmp_path / "dyt"
     proc = train(tiny_bin, save_dir, ["--prenorm", "--dyt", "--dyt-alpha-per-channel", "--dyt-no-affine"], 20,
-                 extra=["--log-interval", "1", "--max-tokens", "600"])  # half TRAIN_COMMON's batches
+                 extra=["--log-interval", "1", *HALF_BATCHES])
     records = log_records(proc, "train_inner")
     assert len(records) == 20 and all(math.isfinite(float(r["loss"])) for r in records)
     checkpoint = str(save_dir / "checkpoint_last.pt")

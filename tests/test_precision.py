@@ -19,7 +19,7 @@ from fairseq_normplug.modules.dynamic_tanh import DynamicTanh
 from fairseq_normplug.modules.norm_registry import NORM_TYPES
 from fairseq_normplug.modules.scale_norm import ScaleNorm, scale_norm_reference
 from model_helpers import build, norm_type_flags, parse_args, toy_batch
-from test_cli import NO_LOADER_WORKERS, TRAIN_COMMON, USER_DIR, log_records
+from test_cli import HALF_BATCHES, NO_LOADER_WORKERS, TRAIN_COMMON, USER_DIR, log_records
 
 TINY = "transformer_normplug_tiny"
 COMBINATIONS = list(itertools.product(("--postnorm", "--prenorm"), NORM_TYPES, (False, True)))
@@ -187,10 +187,9 @@ def half_trained(tiny_bin, tmp_path_factory):
     runs = {}
     for name, flags in HALF_TRAINING.items():
         save_dir = tmp_path_factory.mktemp(name)
-        # 600-token batches (half TRAIN_COMMON's): enough for these tests, 40 % less CPU for them
         proc = run_fairseq([cli("fairseq-train"), tiny_bin, "--arch", TINY, *TRAIN_COMMON,
                             "--log-interval", "2", "--save-dir", str(save_dir), "--max-update", "6",
-                            "--max-tokens", "600", "--prenorm", "--scalenorm", "--fixnorm", *flags],
+                            *HALF_BATCHES, "--prenorm", "--scalenorm", "--fixnorm", *flags],
                            env={"NORMPLUG_COMPILE": "0"})
         runs[name] = (save_dir, proc)
     return runs

@@ -13,7 +13,7 @@ from conftest import cli
 from inprocess import run_fairseq
 from fairseq_normplug.errors import NormplugError
 from model_helpers import build, parse_args, toy_batch
-from test_cli import NO_LOADER_WORKERS, USER_DIR, log_records, train
+from test_cli import HALF_BATCHES, NO_LOADER_WORKERS, USER_DIR, log_records, train
 from test_placements import TINY, future_mask, placed, sublayers
 from test_precision import AGREEMENT, HALF, padded_batch, smoothed_loss
 
@@ -121,7 +121,7 @@ def test_train_20_updates_and_generate(tiny_bin, tmp_path, placement):
     save_dir = tmp_path / placement
     # 20 updates of 600 tokens (half TRAIN_COMMON's batches): enough for the loss to fall
     proc = train(tiny_bin, save_dir, ["--norm-placement", placement], 20,
-                 extra=["--log-interval", "5", "--max-tokens", "600"])
+                 extra=["--log-interval", "5", *HALF_BATCHES])
     losses = [float(r["loss"]) for r in log_records(proc, "train_inner")]
     assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
     gen = run_fairseq([cli("fairseq-generate"), tiny_bin, "--user-dir", USER_DIR, "--path",

@@ -29,10 +29,10 @@ def train_and_generate(data_bin, save_dir, flags, updates=10):
     valid set from its last checkpoint: (the train_inner log records, the hypotheses, the
     checkpoint's model state)."""
     from inprocess import run_fairseq
-    from test_cli import NO_LOADER_WORKERS, TRAIN_COMMON, USER_DIR, log_records
+    from test_cli import HALF_BATCHES, NO_LOADER_WORKERS, TRAIN_COMMON, USER_DIR, log_records
 
     train = run_fairseq(["fairseq-train", data_bin, "--arch", TINY, *TRAIN_COMMON, "--save-dir", save_dir,
-                         "--max-update", updates, "--max-tokens", "600", "--log-interval", "5",
+                         "--max-update", updates, *HALF_BATCHES, "--log-interval", "5",
                          "--norm-stats-interval", "5", *flags])
     checkpoint = os.path.join(save_dir, "checkpoint_last.pt")
     generate = run_fairseq(["fairseq-generate", data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
