@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite (sets up .venv/ first if needed). Extra arguments go to pytest,
-# e.g. scripts/test.sh -k scalenorm -x
+# e.g. scripts/test.sh -k scalenorm -x; test files or folders named on the command line
+# (scripts/test.sh tests/test_norms.py tests/test_cli.py::test_norm_stats_are_logged) run
+# instead of the whole of tests/ and examples/.
 # The test files run in parallel, one worker more than there are cores (at most 8;
 # NORMPLUG_TEST_WORKERS=N overrides, 0 = no workers): many tests wait on the commands they
 # start, so on 2 cores a third worker uses the idle time (9m01s -> 8m03s for the suite). The
@@ -18,7 +20,21 @@ EXTRA_WORKER=1
 for arg in "$@"; do
   if [ "$arg" = "not slow" ] || [ "$arg" = "-mnot slow" ]; then EXTRA_WORKER=0; fi
 done
+# what runs: tests/ and examples/, unless arguments name files or folders (a node id by its
+# file); files only: at most one worker per file (a file's tests share one worker)
+TARGETS=(tests examples)
+NAMED_FILES=() NAMED_FOLDER=0
+for arg in "$@"; do
+  case "$arg" in -*) continue ;; esac
+  path=${arg%%::*}
+  if [ -d "$path" ]; then NAMED_FOLDER=1; elif [ -e "$path" ]; then NAMED_FILES+=("$path"); else continue; fi
+  TARGETS=()
+done
 WORKERS=${NORMPLUG_TEST_WORKERS:-$(( CORES + EXTRA_WORKER < 8 ? CORES + EXTRA_WORKER : 8 ))}
+if [ -z "${NORMPLUG_TEST_WORKERS:-}" ] && [ "$NAMED_FOLDER" = 0 ] && [ "${#NAMED_FILES[@]}" -gt 0 ]; then
+  FILES=$(printf '%s\n' "${NAMED_FILES[@]}" | sort -u | wc -l)
+  WORKERS=$(( FILES < WORKERS ? FILES : WORKERS ))
+fi
 PARALLEL=()
 if [ "$WORKERS" -gt 1 ]; then
   # in pytest-xdist's order (files with the most tests first): starting the longest files first
@@ -34,4 +50,4 @@ fi
 # its cache, and each worker's collection takes twice as long (pytest keeps its rewritten test
 # modules there too); __pycache__/ is ignored by git
 unset PYTHONDONTWRITEBYTECODE
-exec "${NORMPLUG_VENV:-$ROOT/.venv}/bin/python" -m pytest tests examples ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"
+exec "${NORMPLUG_VENV:-$ROOT/.venv}/bin/python" -m pytest ${TARGETS[@]+"${TARGETS[@]}"} ${PARALLEL[@]+"${PARALLEL[@]}"} "$@"

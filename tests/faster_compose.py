@@ -1,7 +1,7 @@
 """hydra's composition made cheaper in a test process, which composes fairseq's configuration
 once for each fairseq command it runs (tests/inprocess.py) or forks: about 100 times in the quick
 loop, at about 0.45 CPU s each (``fairseq.dataclass.utils.convert_namespace_to_omegaconf``
-composes about 260 overrides, one ``group.key=value`` per field of fairseq's dataclasses). Two
+composes about 260 overrides, one ``group.key=value`` per field of fairseq's dataclasses). Three
 changes of hydra 1.3.2's work, each giving what hydra gives:
 
 - **Override parses remembered.** ``OverridesParser.parse_rule(self, s, rule_name)``
@@ -20,20 +20,31 @@ changes of hydra 1.3.2's work, each giving what hydra gives:
   nodes at each load anyway. ``StructuredConfigSource.__deepcopy__`` copies the source and keeps
   its reference to the live store, as hydra itself does since facebookresearch/hydra#2928 (not
   in the 1.3.2 that fairseq pins).
+- **The caller found without ``inspect.stack()``.** ``hydra.initialize`` (fairseq's
+  ``convert_namespace_to_omegaconf`` enters one per composition) finds the file and module that
+  called it with ``detect_calling_file_or_module_from_stack_frame(stack_depth)``
+  (``hydra/_internal/utils.py``), which builds ``inspect.stack()``: a ``FrameInfo`` with source
+  lines and a module lookup for every frame of the stack, about 50 under pytest, 0.05 CPU s each
+  time, to read one of them. :func:`calling_file_and_module` walks to that one frame
+  (``sys._getframe``) and reads the same fields from it.
 
-:func:`install` applies both to this process and the forks it starts from then on. A real
+:func:`install` applies all three to this process and the forks it starts from then on. A real
 process (``run_cli``, a test marked slow) composes once: it is not changed, and neither is the
 plugin (its users' commands compose once each). tests/test_harness.py checks that hydra still
 calls these methods where this module expects, that a remembered parse equals a new one for a
 real fairseq command's overrides, that a copied repository loads through the live store, and
 that the warm-up covers nearly all of another command's overrides; it fails when hydra changes
-them. docs/setup.md (tenth round) gives the CPU saved.
+them, and that the caller is found as hydra finds it. docs/setup.md (tenth and eleventh rounds)
+gives the CPU saved.
 """
 import copy
 import functools
+import importlib
 import os
-from typing import Any, Dict, Tuple
+import sys
+from typing import Any, Dict, Optional, Tuple
 
+import hydra._internal.utils as hydra_utils
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 #: hydra's own ``parse_rule``, kept to parse what is not remembered yet (and for the tests)
@@ -75,6 +86,31 @@ def structured_source_type() -> type:
     return SourcesRegistry.instance().resolve("structured")
 
 
+#: hydra's own caller detection (for the tests), and the modules that call it by that name
+HYDRA_DETECT_CALLER = hydra_utils.detect_calling_file_or_module_from_stack_frame
+CALLERS_OF_DETECT = ("hydra._internal.utils", "hydra.initialize")
+
+
+def calling_file_and_module(stack_depth: int) -> Tuple[Optional[str], Optional[str]]:
+    """What ``detect_calling_file_or_module_from_stack_frame(stack_depth)`` returns (the file of
+    the frame ``stack_depth`` levels up, counting this function as 0, and the module of the
+    function running there), read from that one frame. A notebook's cell is left to hydra."""
+    frame = sys._getframe(stack_depth)
+    if hydra_utils.is_notebook() and "_dh" in frame.f_globals:
+        return HYDRA_DETECT_CALLER(stack_depth + 1)
+    calling_module = None
+    try:
+        calling_module = hydra_utils._get_module_name_override()
+        if calling_module is None:
+            calling_module = frame.f_globals[frame.f_code.co_name].__module__
+    except KeyError:
+        try:
+            calling_module = frame.f_locals["self"].__module__
+        except KeyError:
+            pass
+    return frame.f_code.co_filename, calling_module
+
+
 def warm() -> None:
     """Parse, once in this process, the overrides of a tiny fairseq-train command of the plugin,
     so that a fork of it started afterwards (tests/inprocess.py's forked commands and launchers)
@@ -96,6 +132,10 @@ def warm() -> None:
 
 
 def install() -> None:
-    """Both changes, in this process and its later forks."""
+    """The three changes, in this process and its later forks."""
     OverridesParser.parse_rule = remembered_parse_rule
     structured_source_type().__deepcopy__ = copy_sharing_the_store
+    for name in CALLERS_OF_DETECT:
+        module = importlib.import_module(name)  # (the attribute hydra.initialize is a class)
+        assert module.detect_calling_file_or_module_from_stack_frame is HYDRA_DETECT_CALLER, name
+        module.detect_calling_file_or_module_from_stack_frame = calling_file_and_module

@@ -296,3 +296,23 @@ def test_command_line_takes_the_seeds_of_a_label(tmp_path):
     outcome = figures.main(["--log", f"A={first}", "--log", f"A={second}", "--out", str(tmp_path / "out"),
                             "--figures", "dev_bleu"])
     assert_png(outcome["dev_bleu"])
+
+
+def png_size(path) -> tuple:
+    """(width, height) in pixels of the PNG at ``path`` (its IHDR chunk)."""
+    with open(path, "rb") as f:
+        header = f.read(24)
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+def test_a_laid_out_figure_is_saved_at_its_size_and_one_without_a_layout_is_cropped(tmp_path):
+    """save_figure: constrained layout keeps a legend beside the axes inside the canvas, so the
+    PNG is figsize x 110 dpi; a figure without a layout engine is cropped to what it draws."""
+    for layout in ("constrained", None):
+        fig = figures.new_figure(figsize=(7, 4.5), layout=layout)
+        ax = fig.add_subplot()
+        ax.plot([1, 2, 3], [3, 1, 2], label="a design with a long name")
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5))
+        figures.save_figure(fig, str(tmp_path / f"{layout}.png"))
+    assert png_size(tmp_path / "constrained.png") == (770, 495)
+    assert png_size(tmp_path / "None.png") != (770, 495)

@@ -78,6 +78,14 @@ printf '%s\\n' "$@"
 def test_the_quick_loop_runs_one_worker_per_core_and_the_suite_one_more(tmp_path, args, workers):
     """scripts/test.sh on 2 cores: the whole suite waits on the commands it starts and takes a third
     worker, the quick loop computes throughout and takes two (docs/setup.md)."""
+    printed = recording_test_sh(tmp_path, *args)
+    assert printed[0] == "OMP_NUM_THREADS=1"
+    assert printed[1:] == ["-m", "pytest", "tests", "examples", "-n", workers, "--dist", "loadfile", *args]
+
+
+def recording_test_sh(tmp_path, *args) -> list:
+    """What scripts/test.sh, on 2 cores and with its Python replaced by RECORDING_PYTHON, prints:
+    OMP_NUM_THREADS, then the arguments of its Python, one a line."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     python = venv / "bin" / "python"
@@ -89,9 +97,23 @@ def test_the_quick_loop_runs_one_worker_per_core_and_the_suite_one_more(tmp_path
     (fake_bin / "getconf").chmod(0o755)
     env = {"NORMPLUG_SETUP": "0", "NORMPLUG_VENV": str(venv), "NORMPLUG_TEST_WORKERS": None, "OMP_NUM_THREADS": None,
            "MKL_NUM_THREADS": None, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
-    printed = run_cli(["bash", os.path.join(conftest.REPO, "scripts", "test.sh"), *args], env=env).stdout.splitlines()
-    assert printed[0] == "OMP_NUM_THREADS=1"
-    assert printed[1:] == ["-m", "pytest", "tests", "examples", "-n", workers, "--dist", "loadfile", *args]
+    return run_cli(["bash", os.path.join(conftest.REPO, "scripts", "test.sh"), *args], env=env).stdout.splitlines()
+
+
+@pytest.mark.parametrize("args,expected", [
+    # one file: its tests share one worker, so no workers are started
+    (["tests/test_norms.py", "-x"], ["tests/test_norms.py", "-x"]),
+    # node ids count by their file: two files, two workers
+    (["tests/test_norms.py::test_x", "tests/test_norms.py", "tests/test_cli.py", "-k", "scalenorm"],
+     ["-n", "2", "--dist", "loadfile", "tests/test_norms.py::test_x", "tests/test_norms.py", "tests/test_cli.py",
+      "-k", "scalenorm"]),
+    # a folder: the usual workers
+    (["examples"], ["-n", "3", "--dist", "loadfile", "examples"]),
+    # a -k expression or a marker is not a path: the whole suite
+    (["-k", "no_such_path"], ["tests", "examples", "-n", "3", "--dist", "loadfile", "-k", "no_such_path"]),
+])
+def test_named_test_files_run_instead_of_the_whole_suite(tmp_path, args, expected):
+    assert recording_test_sh(tmp_path, *args)[1:] == ["-m", "pytest", *expected]
 
 
 CPU_TESTS = """
@@ -240,6 +262,38 @@ def test_a_copied_config_repository_loads_through_the_live_config_store():
         assert store.load("normplug_test_stored_after_the_copy.yaml").node.width == 7
     finally:
         del store.repo["normplug_test_stored_after_the_copy.yaml"]
+
+
+class _Caller:
+    def method(self, detect, depth):
+        return detect(depth)
+
+
+def _function(detect, depth):
+    return detect(depth)
+
+
+def test_the_caller_of_hydras_initialize_is_found_as_hydra_finds_it():
+    """tests/faster_compose.py's third change: hydra's modules call the one-frame lookup, which
+    gives what hydra's ``inspect.stack()`` lookup gives at every depth, for a function, a method
+    (its module through ``self``), this test and pytest's frames above it, and a lambda."""
+    import hydra._internal.utils as hydra_utils
+
+    import faster_compose
+
+    for name in faster_compose.CALLERS_OF_DETECT:
+        assert (sys.modules[name].detect_calling_file_or_module_from_stack_frame
+                is faster_compose.calling_file_and_module), name
+    found = set()
+    for depth in range(1, 6):
+        for call in (_function, _Caller().method, lambda detect, depth: detect(depth)):
+            ours = call(faster_compose.calling_file_and_module, depth)
+            assert ours == call(faster_compose.HYDRA_DETECT_CALLER, depth), (depth, call)
+            found.add(ours)
+    assert (__file__, __name__) in found and (os.path.abspath(__file__), None) in {
+        (os.path.abspath(f), m) for f, m in found}  # a function's module, and a lambda's none
+    assert len({f for f, _ in found}) > 2  # pytest's frames too
+    assert hydra_utils.detect_calling_file_or_module_from_stack_frame(0)[0] == faster_compose.__file__
 
 
 def test_a_fork_finds_most_of_its_commands_overrides_parsed_before_it(monkeypatch, tmp_path):

@@ -95,9 +95,14 @@ def draw(ax, data: Series, label: Optional[str] = None, positions: Optional[Dict
 
 
 def save_figure(fig: "Figure", path: str) -> None:
-    """Write ``fig`` to ``path`` as a PNG, atomically."""
+    """Write ``fig`` to ``path`` as a PNG, atomically. A figure with a layout engine (the
+    project's all use matplotlib's constrained layout, which keeps titles, labels and legends,
+    those beside the axes too, inside the canvas) is written at its own size; only one without
+    is cropped to a tight bounding box at save (a second layout pass, a quarter of a figure's
+    time)."""
+    crop = {} if fig.get_layout_engine() is not None else {"bbox_inches": "tight"}
     with atomic_output(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+        fig.savefig(tmp, format="png", dpi=110, **crop)
 
 
 def _line_figure(series: Dict[str, Series], path: str, title: str, ylabel: str, log_y: bool = False) -> None:
