@@ -137,5 +137,6 @@ def install() -> None:
     structured_source_type().__deepcopy__ = copy_sharing_the_store
     for name in CALLERS_OF_DETECT:
         module = importlib.import_module(name)  # (the attribute hydra.initialize is a class)
-        assert module.detect_calling_file_or_module_from_stack_frame is HYDRA_DETECT_CALLER, name
+        assert module.detect_calling_file_or_module_from_stack_frame in (HYDRA_DETECT_CALLER,
+                                                                        calling_file_and_module), name
         module.detect_calling_file_or_module_from_stack_frame = calling_file_and_module
