@@ -16,15 +16,12 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$ROOT/scripts/setup_env.sh"
 cd "$ROOT"
 CORES=$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
-EXTRA_WORKER=1
+# the quick loop (-m "not slow") takes one worker per core, the suite one more (above); what
+# runs: tests/ and examples/, unless arguments name files or folders (a node id by its file);
+# files only: at most one worker per file (a file's tests share one worker)
+EXTRA_WORKER=1 TARGETS=(tests examples) NAMED_FILES=() NAMED_FOLDER=0
 for arg in "$@"; do
   if [ "$arg" = "not slow" ] || [ "$arg" = "-mnot slow" ]; then EXTRA_WORKER=0; fi
-done
-# what runs: tests/ and examples/, unless arguments name files or folders (a node id by its
-# file); files only: at most one worker per file (a file's tests share one worker)
-TARGETS=(tests examples)
-NAMED_FILES=() NAMED_FOLDER=0
-for arg in "$@"; do
   case "$arg" in -*) continue ;; esac
   path=${arg%%::*}
   if [ -d "$path" ]; then NAMED_FOLDER=1; elif [ -e "$path" ]; then NAMED_FILES+=("$path"); else continue; fi

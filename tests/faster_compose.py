@@ -40,7 +40,6 @@ gives the CPU saved.
 import copy
 import functools
 import importlib
-import os
 import sys
 from typing import Any, Dict, Optional, Tuple
 
@@ -120,14 +119,12 @@ def warm() -> None:
     if _WARMED:
         return
     _WARMED = True
-    from fairseq import options
     from fairseq.dataclass.utils import override_module_args
 
-    from conftest import REPO  # (conftest imports this module)
+    from model_helpers import parse_args  # (imports conftest, which imports this module)
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        "data-bin", "--user-dir", os.path.join(REPO, "fairseq_normplug"), "--arch", "transformer_normplug_tiny", "--optimizer", "adam",
-        "--lr-scheduler", "inverse_sqrt", "--criterion", "label_smoothed_cross_entropy", "--cpu"])
+    args = parse_args("data-bin", "transformer_normplug_tiny", "--optimizer", "adam", "--lr-scheduler", "inverse_sqrt",
+                      "--criterion", "label_smoothed_cross_entropy")
     OverridesParser.create().parse_overrides(override_module_args(args)[0])
 
 

@@ -201,16 +201,15 @@ def test_the_override_parses_are_remembered_and_equal_hydras_own(tiny_bin, monke
     ``parse_rule`` (the method replaced), each override of a real fairseq command parses to what
     hydra's own ``parse_rule`` gives, a second parse of a string is the remembered one, and each
     caller gets its own copy."""
-    from fairseq import options
     from fairseq.dataclass.utils import override_module_args
+    from model_helpers import parse_args
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     import faster_compose
 
     assert OverridesParser.parse_rule is faster_compose.remembered_parse_rule
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        tiny_bin, "--user-dir", os.path.join(conftest.REPO, "fairseq_normplug"), "--arch", "transformer_normplug_tiny",
-        "--prenorm", "--scalenorm", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "3", "--cpu"])
+    args = parse_args(tiny_bin, "transformer_normplug_tiny", "--prenorm", "--scalenorm", "--optimizer", "adam",
+                      "--lr", "1e-3", "--max-update", "3")
     overrides, _ = override_module_args(args)
     assert len(overrides) > 200
     calls = []
@@ -300,8 +299,8 @@ def test_a_fork_finds_most_of_its_commands_overrides_parsed_before_it(monkeypatc
     """faster_compose.warm, called before each fork of a fairseq command or launcher
     (tests/inprocess.py): it parses the overrides of one tiny training command, once per process,
     and they are nearly all of another command's (another model, norm, learning rate and folder)."""
-    from fairseq import options
     from fairseq.dataclass.utils import override_module_args
+    from model_helpers import parse_args
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     import faster_compose
@@ -312,10 +311,8 @@ def test_a_fork_finds_most_of_its_commands_overrides_parsed_before_it(monkeypatc
     held = faster_compose.remembered()
     faster_compose.warm()
     assert faster_compose.remembered() == held > 200  # once
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(tmp_path / "bin"), "--user-dir", os.path.join(conftest.REPO, "fairseq_normplug"), "--arch",
-        "transformer_normplug_tiny", "--prenorm", "--dyt", "--optimizer", "adam", "--lr", "5e-4", "--max-update", "7",
-        "--save-dir", str(tmp_path / "run"), "--cpu"])
+    args = parse_args(str(tmp_path / "bin"), "transformer_normplug_tiny", "--prenorm", "--dyt", "--optimizer", "adam",
+                      "--lr", "5e-4", "--max-update", "7", "--save-dir", str(tmp_path / "run"))
     overrides, _ = override_module_args(args)
     OverridesParser.create().parse_overrides(overrides)
     assert faster_compose.remembered() - held < 0.1 * len(overrides)
