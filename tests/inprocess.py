@@ -55,7 +55,8 @@ own process and gloo rank; ``peers=True`` kills the other rank when one fails).
 Real processes stay where the process itself is the subject: the shell scripts (train.sh
 stopped by SIGTERM), submitit, ``--jobs 2`` (trainings started from several threads),
 preflight's memory, and one test with two real launcher processes on one folder
-(test_trust's ``test_two_launchers_started_at_once_train_each_run_once``).
+(test_trust's ``test_two_launchers_started_at_once_train_each_run_once``, whose launchers fork
+their fairseq commands with :func:`forked_commands`).
 """
 import contextlib
 import importlib

@@ -49,13 +49,18 @@ FAULTS = {"title": "A good, an undecodable and a diverging row", "recipe": "trus
                    {"name": "PostNorm lr 1", "model": [], "schedule": "no_warmup", "train": ["--lr", "1"]}]}
 RUNS = ("trust", "src-tgt")
 
-#: one launcher (reproduce.sh's run_table on a config folder), as its own process
-LAUNCHER = textwrap.dedent("""
+#: one launcher (reproduce.sh's run_table on a config folder), as its own process; its fairseq
+#: commands are forks of it (tests/inprocess.py's forked_commands: the runner's real command
+#: starts are the subject of test_launchers' --jobs 2 and submitit tests and test_entry_points')
+LAUNCHER = textwrap.dedent(f"""
     import sys
+    sys.path.insert(0, {os.path.join(REPO, "tests")!r})
+    from inprocess import forked_commands
     from fairseq_normplug.experiments.configs import load_table
     from fairseq_normplug.experiments.reproduce import run_table
     configs, table, data, runs, results, *rows = sys.argv[1:]
-    results = run_table(load_table(table, configs), ["src-tgt"], {"src-tgt": data}, runs, results, rows)
+    with forked_commands():
+        results = run_table(load_table(table, configs), ["src-tgt"], {{"src-tgt": data}}, runs, results, rows)
     sys.exit(1 if results.failed else 0)
 """)
 
@@ -132,7 +137,7 @@ def start_launcher(trust, out, name, rows=(), real=False, env=(), at_start=None)
     results go to ``out``/``name``-results, its output to ``name``.log; in a session of its own.
     It is a forked child of this process (tests/inprocess.py's ForkedLauncher: launcher.py's
     work, its fairseq commands forked from it, each calling ``at_start`` first), or with ``real``
-    launcher.py in a new Python, its fairseq commands real ones too. ``env``: more variables."""
+    launcher.py in a new Python, its fairseq commands forks of that process. ``env``: more variables."""
     root, configs, data = trust
     log = open(root / f"{name}.log", "w")
     argv = [configs, "trust", data, str(root / out / "runs"), str(root / out / f"{name}-results"), *rows]
@@ -218,8 +223,9 @@ def assert_trained_once_by_two(root, out, names, reference):
 
 @pytest.mark.slow
 def test_two_launchers_started_at_once_train_each_run_once(trust, reference):
-    """Two real launcher processes (launcher.py in a new Python each, real fairseq commands): the
-    one test of the launchers' real path; the others fork theirs."""
+    """Two real launcher processes (launcher.py in a new Python each, their fairseq commands
+    forked from them) on one runs folder: the one test of two launcher processes started from
+    the command line; the others fork theirs from this process."""
     procs = [start_launcher(trust, "once", name, real=True) for name in ("once-a", "once-b")]
     assert [finish(proc) for proc in procs] == [0, 0]
     assert_trained_once_by_two(trust[0], "once", ("once-a", "once-b"), reference)
