@@ -49,19 +49,17 @@ FAULTS = {"title": "A good, an undecodable and a diverging row", "recipe": "trus
                    {"name": "PostNorm lr 1", "model": [], "schedule": "no_warmup", "train": ["--lr", "1"]}]}
 RUNS = ("trust", "src-tgt")
 
-#: one launcher (reproduce.sh's run_table on a config folder), as its own process; its fairseq
-#: commands are forks of it (tests/inprocess.py's forked_commands: the runner's real command
-#: starts are the subject of test_launchers' --jobs 2 and submitit tests and test_entry_points')
+#: one launcher (:func:`launcher_main`, reproduce.sh's run_table on a config folder), as its own
+#: process; its fairseq commands are forks of it (tests/inprocess.py's forked_commands: the
+#: runner's real command starts are the subject of test_launchers' --jobs 2 and submitit tests
+#: and test_entry_points')
 LAUNCHER = textwrap.dedent(f"""
     import sys
     sys.path.insert(0, {os.path.join(REPO, "tests")!r})
     from inprocess import forked_commands
-    from fairseq_normplug.experiments.configs import load_table
-    from fairseq_normplug.experiments.reproduce import run_table
-    configs, table, data, runs, results, *rows = sys.argv[1:]
+    from test_trust import launcher_main
     with forked_commands():
-        results = run_table(load_table(table, configs), ["src-tgt"], {{"src-tgt": data}}, runs, results, rows)
-    sys.exit(1 if results.failed else 0)
+        sys.exit(launcher_main(sys.argv[1:]))
 """)
 
 @pytest.fixture(scope="module")
@@ -167,7 +165,8 @@ def held_pid(proc, paused) -> int:
 
 
 def launcher_main(argv) -> int:
-    """What LAUNCHER does with its command line ``argv``: its exit status."""
+    """A launcher's work (:data:`LAUNCHER`'s, and a ForkedLauncher's) on its command line
+    ``argv``: its exit status."""
     configs, table, data, runs, results, *rows = argv
     results = reproduce.run_table(load_table(table, configs), ["src-tgt"], {"src-tgt": data}, runs, results, rows)
     return 1 if results.failed else 0
